@@ -1,0 +1,1 @@
+"""Host-side exporter: Hugging Face checkpoint -> quantized RKNN bundle."""
