@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint
+test: lint rknn-env
 	$(VENV)/bin/pytest $(ARGS)
 
 # Host-only tools: transformers 5.24.0 on the local CPU torch wheel, used to regenerate
@@ -33,3 +33,22 @@ $(ORACLE)/.installed:
 	touch $@
 
 oracle-env: $(ORACLE)/.installed
+
+# rknn-toolkit2 2.5.0 for the converter and the simulator test tier (rknn-toolchain.md
+# sections 1 and 11). Its wheel pins torch<=2.4.0, which pip would resolve to a multi-GB
+# CUDA build, so: the local CPU torch wheel first, the toolkit with --no-deps, then its
+# other requirements listed explicitly (numpy<2, onnx<=1.18; protobuf 4.25.8 and
+# onnxruntime 1.32 so the same env also runs QMoE; setuptools<81 keeps pkg_resources).
+RKNN := .venv-rknn
+RKNN_PY ?= python3.11
+$(RKNN)/.installed:
+	test -x $(RKNN)/bin/python || $(RKNN_PY) -m venv $(RKNN)
+	$(RKNN)/bin/pip install --quiet torch==2.13.0
+	$(RKNN)/bin/pip install --quiet --no-deps rknn-toolkit2==2.5.0
+	$(RKNN)/bin/pip install --quiet "numpy<=1.26.4" "protobuf==4.25.8" "onnx>=1.16.1,<=1.18.0" \
+		"onnxruntime==1.32.0" "psutil>=5.9.0" "ruamel.yaml>=0.17.21" "scipy>=1.9.3" \
+		"tqdm>=4.64.1" "opencv-python>=4.5.5.64" "fast-histogram>=0.11" "setuptools<81"
+	$(RKNN)/bin/python -c "from rknn.api import RKNN"
+	touch $@
+
+rknn-env: $(RKNN)/.installed

@@ -1,0 +1,80 @@
+"""Host-side quantization of routed experts into onnxruntime QMoE's packed layout.
+
+The runtime only loads the packed arrays (:class:`ling3_rknn.npu.experts.PackedExperts`);
+everything that touches float expert weights lives here. Symmetric round-to-nearest
+absmax per block, the scheme the QMoE CPU kernel implies when no zero points are given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ling3_rknn.npu.experts import PackedExperts
+
+_ZERO_POINT = {4: 8, 8: 128}
+_QMAX = {4: 7, 8: 127}
+
+
+def quantize_rows(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize ``w [..., N, K]`` along K in blocks -> (packed uint8, float32 scales)."""
+    if bits not in _QMAX:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    k = w.shape[-1]
+    if k % block_size:
+        raise ValueError(f"input dimension {k} is not a multiple of block size {block_size}")
+    blocks = w.astype(np.float32, copy=False).reshape(*w.shape[:-1], k // block_size, block_size)
+    scales = np.abs(blocks).max(axis=-1) / _QMAX[bits]
+    safe = np.where(scales > 0, scales, 1.0)[..., None]
+    q = np.clip(np.rint(blocks / safe), -_QMAX[bits], _QMAX[bits]).astype(np.int16)
+    codes = (q + _ZERO_POINT[bits]).astype(np.uint8).reshape(*w.shape[:-1], k)
+    if bits == 4:
+        codes = (codes[..., 0::2] & 0x0F) | (codes[..., 1::2] << 4)
+    return np.ascontiguousarray(codes), scales.astype(np.float32)
+
+
+def dequantize_rows(packed: np.ndarray, scales: np.ndarray, bits: int, block_size: int
+                    ) -> np.ndarray:
+    """Inverse of :func:`quantize_rows` (for references and error reports, not the hot path)."""
+    if bits == 4:
+        codes = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
+        codes[..., 0::2] = packed & 0x0F
+        codes[..., 1::2] = packed >> 4
+    else:
+        codes = packed
+    q = codes.astype(np.float32) - _ZERO_POINT[bits]
+    k = q.shape[-1]
+    q = q.reshape(*q.shape[:-1], k // block_size, block_size) * scales[..., None]
+    return q.reshape(*q.shape[:-2], k)
+
+
+def quantize_experts(
+    gate: np.ndarray, up: np.ndarray, down: np.ndarray, bits: int = 4, block_size: int = 32
+) -> PackedExperts:
+    """Float experts (gate/up ``[E, I, D]``, down ``[E, D, I]``) -> QMoE layout.
+
+    Works one expert at a time so a bf16 checkpoint layer (300 M parameters at real size)
+    never needs a second full float32 copy.
+    """
+    e, i, d = gate.shape
+    if up.shape != (e, i, d) or down.shape != (e, d, i):
+        raise ValueError(f"expert shapes disagree: gate {gate.shape} up {up.shape} "
+                         f"down {down.shape}")
+    per_byte = 8 // bits
+    fc1_w = np.empty((e, 2 * i, d // per_byte), np.uint8)
+    fc1_s = np.empty((e, 2 * i, d // block_size), np.float32)
+    fc2_w = np.empty((e, d, i // per_byte), np.uint8)
+    fc2_s = np.empty((e, d, i // block_size), np.float32)
+    for x in range(e):
+        gw, gs = quantize_rows(gate[x], bits, block_size)
+        uw, us = quantize_rows(up[x], bits, block_size)
+        fc1_w[x, 0::2], fc1_w[x, 1::2] = gw, uw  # interleave: row 2j gate j, 2j+1 up j
+        fc1_s[x, 0::2], fc1_s[x, 1::2] = gs, us
+        fc2_w[x], fc2_s[x] = quantize_rows(down[x], bits, block_size)
+    return PackedExperts(bits, block_size, fc1_w, fc1_s, fc2_w, fc2_s)
+
+
+def dequantize_experts(packed: PackedExperts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(gate, up, down) float32 weights exactly as the quantized kernel sees them."""
+    fc1 = dequantize_rows(packed.fc1_weight, packed.fc1_scales, packed.bits, packed.block_size)
+    down = dequantize_rows(packed.fc2_weight, packed.fc2_scales, packed.bits, packed.block_size)
+    return fc1[:, 0::2], fc1[:, 1::2], down
