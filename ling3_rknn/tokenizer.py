@@ -1,0 +1,258 @@
+"""Ling's byte-level BPE tokenizer with a trust boundary and a streaming detokenizer.
+
+Encoding follows the typed segments the chat renderer produces: only CONTROL segments are
+searched for special tokens; TEXT segments (user text, tool results, arguments) are encoded
+as ordinary text even when they spell ``<|role_end|>`` or ``<tool_call>``, so attacker-influenced
+text can never close a turn or fake a call. For text that spells no special token the ids are
+exactly what ``tokenizers`` gives for the whole rendered string (the text between two special
+tokens is encoded as one piece, the same split the library makes itself).
+
+Decoding uses a byte table built from the vocabulary instead of ``tokenizers.decode`` so that a
+stream of ids can be turned into text incrementally without ever emitting half a UTF-8
+character; tests pin it to the library's own decode.
+
+Leaf module: imports nothing from the rest of ``ling3_rknn``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+# Template markers that must never be produced from TEXT even if a tokenizer.json marks them
+# non-special (e.g. Qwen-style files mark <think> "special": false).
+CONTROL_TOKEN_NAMES: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|role_end|>",
+    "<role>",
+    "</role>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
+)
+EOS_NAME = "<|role_end|>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used, or ids/segments it cannot handle."""
+
+
+class SegmentLike(Protocol):
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def control(self) -> bool: ...
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's reversible byte <-> printable-unicode map (the ByteLevel alphabet), inverted."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class Tokenizer:
+    """Ling's tokenizer; see the module docstring for the encoding rules."""
+
+    def __init__(self, spec: dict, source: str = "<memory>") -> None:
+        self._source = source
+        self._check_spec(spec)
+        try:
+            self._full = _HFTokenizer.from_str(json.dumps(spec))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise TokenizerError(f"{source}: tokenizers cannot load it: {exc}") from exc
+
+        added = spec.get("added_tokens") or []
+        self._special_ids: dict[str, int] = {}
+        for entry in added:
+            name, want = entry["content"], entry["id"]
+            got = self._full.token_to_id(name)
+            if got != want:
+                raise TokenizerError(
+                    f"{source}: added token {name!r} declares id {want} but resolves to {got} "
+                    "(an added token with a sparse id must also be in model.vocab)"
+                )
+            self._special_ids[name] = want
+        if EOS_NAME not in self._special_ids:
+            raise TokenizerError(f"{source}: no {EOS_NAME} added token (Ling's end of turn)")
+
+        # TEXT must not produce: every special-flagged added token plus the template markers.
+        forbidden = {
+            e["content"] for e in added if e.get("special") or e["content"] in CONTROL_TOKEN_NAMES
+        }
+        text_spec = json.loads(json.dumps(spec))
+        for entry in text_spec.get("added_tokens") or []:
+            if entry["content"] in forbidden:
+                entry["special"] = True
+        self._text = _HFTokenizer.from_str(json.dumps(text_spec))
+        self._text.encode_special_tokens = True
+        self._forbidden_ids = frozenset(self._special_ids[n] for n in forbidden)
+
+        # CONTROL text is matched against the whole added-token table, longest first.
+        names = sorted(self._special_ids, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, names)))
+
+        self._id_bytes = self._build_byte_table(spec)
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        p = Path(path)
+        try:
+            raw = p.read_text(encoding="utf-8")
+        except FileNotFoundError as exc:
+            raise TokenizerError(f"{p}: tokenizer file not found") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"{p}: cannot read tokenizer file: {exc}") from exc
+        try:
+            spec = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise TokenizerError(f"{p}: not valid JSON: {exc}") from exc
+        return cls(spec, source=str(p))
+
+    @staticmethod
+    def _check_spec(spec: object) -> None:
+        if not isinstance(spec, dict):
+            raise TokenizerError("tokenizer.json must be a JSON object")
+        model = spec.get("model")
+        if not isinstance(model, dict) or model.get("type") != "BPE":
+            raise TokenizerError(
+                "tokenizer.json: model.type must be 'BPE' (Ling ships byte-level BPE)"
+            )
+        if not isinstance(model.get("vocab"), dict):
+            raise TokenizerError("tokenizer.json: model.vocab missing")
+        decoder = spec.get("decoder") or {}
+        if decoder.get("type") != "ByteLevel":
+            raise TokenizerError(
+                f"tokenizer.json: decoder {decoder.get('type')!r} is not supported; "
+                "the streaming detokenizer needs a ByteLevel decoder"
+            )
+        added = spec.get("added_tokens")
+        if added is not None and not (
+            isinstance(added, list)
+            and all(
+                isinstance(e, dict)
+                and isinstance(e.get("content"), str)
+                and isinstance(e.get("id"), int)
+                for e in added
+            )
+        ):
+            raise TokenizerError("tokenizer.json: added_tokens must be a list of {id, content}")
+
+    def _build_byte_table(self, spec: dict) -> dict[int, bytes]:
+        table = _byte_decoder()
+        out: dict[int, bytes] = {}
+        for piece, token_id in spec["model"]["vocab"].items():
+            try:
+                out[token_id] = bytes(table[c] for c in piece)
+            except KeyError:
+                # Not in the byte alphabet: only added tokens live in the vocab like this.
+                out[token_id] = piece.encode("utf-8")
+        for name, token_id in self._special_ids.items():
+            out[token_id] = name.encode("utf-8")
+        return out
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return dict(self._special_ids)
+
+    @property
+    def eos_id(self) -> int:
+        return self._special_ids[EOS_NAME]
+
+    @property
+    def vocab_size(self) -> int:
+        """One past the largest id, i.e. the embedding rows a model needs at least."""
+        return max(self._id_bytes) + 1
+
+    # ---------------------------------------------------------------- encoding
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text: special-token spellings become ordinary text tokens."""
+        if not text:
+            return []
+        ids = self._text.encode(text, add_special_tokens=False).ids
+        if self._forbidden_ids.intersection(ids):
+            # Only possible if BPE merges can build a marker from plain bytes; refusing is the
+            # one safe answer (the model would read it as the real marker).
+            raise TokenizerError(f"text {text[:60]!r} encodes to a control token id")
+        return ids
+
+    def encode_segments(self, segments: Iterable[SegmentLike]) -> list[int]:
+        """Typed segments -> ids; only CONTROL text may yield special tokens."""
+        ids: list[int] = []
+        pending: list[str] = []  # ordinary text since the last special token
+        for seg in segments:
+            text = seg.text
+            if not seg.control:
+                pending.append(text)
+                continue
+            pos = 0
+            for m in self._special_re.finditer(text):
+                pending.append(text[pos : m.start()])
+                ids.extend(self.encode_text("".join(pending)))
+                pending.clear()
+                ids.append(self._special_ids[m.group()])
+                pos = m.end()
+            pending.append(text[pos:])
+        ids.extend(self.encode_text("".join(pending)))
+        return ids
+
+    # ---------------------------------------------------------------- decoding
+
+    def token_bytes(self, token_id: int) -> bytes:
+        try:
+            return self._id_bytes[token_id]
+        except (KeyError, TypeError):
+            raise TokenizerError(f"unknown token id {token_id!r}") from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Ids -> text, special tokens spelled out, invalid UTF-8 replaced by U+FFFD."""
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: holds an incomplete UTF-8 sequence until it completes."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self._tok.token_bytes(token_id))
+
+    def finish(self) -> str:
+        """Flush: a dangling partial character becomes U+FFFD, exactly as in ``decode``."""
+        out = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return out
