@@ -1,0 +1,135 @@
+"""Small ONNX graph builder with the op vocabulary of the NPU stage graphs.
+
+Every helper emits the op pattern the RK3588 compiler is known to map onto the NPU
+(rknn-toolchain.md section 2.5): MatMul against a constant weight becomes a 1x1 Conv,
+RMSNorm spelled as Mul/ReduceMean/Add/Sqrt/Div/Mul fuses to exNorm, ``g*sigmoid(g)*u``
+fuses to ConvExSwish + ConvMul. Exp is avoided (it falls back to the CPU).
+
+Weights follow the Hugging Face convention (``[out, in]``) at the call site and are
+stored transposed as ``[in, out]`` initializers, which is what MatMul wants. Graphs use
+static shapes ``[1, T, D]``: RKNN's dynamic shapes are a fixed list anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17  # ReduceMean takes ``axes`` as an attribute up to opset 17; rknn accepts it
+IR_VERSION = 8  # readable by onnx<=1.18 in the rknn-toolkit2 venv
+
+
+class GraphBuilder:
+    """Accumulates nodes/initializers; each op returns the name of its output."""
+
+    def __init__(self, name: str, weight_dtype: type = np.float32) -> None:
+        self.name = name
+        self.weight_dtype = weight_dtype
+        self._nodes: list[onnx.NodeProto] = []
+        self._inits: list[onnx.TensorProto] = []
+        self._inputs: list[onnx.ValueInfoProto] = []
+        self._outputs: list[onnx.ValueInfoProto] = []
+        self._used: set[str] = set()
+        self._counter = 0
+
+    def _fresh(self, hint: str) -> str:
+        self._counter += 1
+        return f"{hint}_{self._counter}"
+
+    def _node(self, op: str, inputs: Sequence[str], hint: str, **attrs: object) -> str:
+        out = self._fresh(hint)
+        self._nodes.append(helper.make_node(op, list(inputs), [out], name=out, **attrs))
+        return out
+
+    # -- graph interface -------------------------------------------------------------
+    def input(self, name: str, shape: Sequence[int]) -> str:
+        self._claim(name)
+        self._inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape)))
+        return name
+
+    def output(self, value: str, name: str, shape: Sequence[int] | None = None) -> str:
+        """Expose ``value`` as graph output ``name`` (through an Identity if renamed)."""
+        self._claim(name)
+        if value != name:
+            self._nodes.append(helper.make_node("Identity", [value], [name], name=name))
+        dims = list(shape) if shape is not None else None
+        self._outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))
+        return name
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        self._claim(name)
+        self._inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        return self.constant(name, np.asarray(array, dtype=self.weight_dtype))
+
+    def _claim(self, name: str) -> None:
+        if name in self._used:
+            raise ValueError(f"duplicate tensor name {name!r} in graph {self.name}")
+        self._used.add(name)
+
+    def build(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self._nodes, self.name, self._inputs, self._outputs,
+                                  initializer=self._inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  producer_name="ling3-rknn convert")
+        model.ir_version = IR_VERSION
+        onnx.checker.check_model(model)
+        return model
+
+    # -- ops ---------------------------------------------------------------------------
+    def add(self, a: str, b: str) -> str:
+        return self._node("Add", [a, b], "add")
+
+    def mul(self, a: str, b: str) -> str:
+        return self._node("Mul", [a, b], "mul")
+
+    def sigmoid(self, x: str) -> str:
+        return self._node("Sigmoid", [x], "sigmoid")
+
+    def silu(self, x: str) -> str:
+        return self.mul(x, self.sigmoid(x))
+
+    def linear(self, x: str, weight: np.ndarray, name: str, bias: np.ndarray | None = None
+               ) -> str:
+        """``x @ weight.T (+ bias)`` with ``weight [out, in]`` (Hugging Face layout)."""
+        w = self.weight(name, np.asarray(weight).T)
+        y = self._node("MatMul", [x, w], "matmul")
+        if bias is not None:
+            y = self.add(y, self.weight(name + ".bias", bias))
+        return y
+
+    def rmsnorm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
+        """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, in the fusable form."""
+        sq = self.mul(x, x)
+        mean = self._node("ReduceMean", [sq], "reducemean", axes=[-1], keepdims=1)
+        eps_c = self.constant(name + ".eps", np.array(eps, np.float32))
+        root = self._node("Sqrt", [self.add(mean, eps_c)], "sqrt")
+        normed = self._node("Div", [x, root], "div")
+        return self.mul(normed, self.weight(name + ".weight", weight))
+
+    def swiglu_mlp(self, x: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                   name: str) -> str:
+        """``down(silu(gate(x)) * up(x))``: the shared expert and the dense FFN."""
+        g = self.linear(x, gate, name + ".gate_proj")
+        u = self.linear(x, up, name + ".up_proj")
+        return self.linear(self.mul(self.silu(g), u), down, name + ".down_proj")
+
+
+# -- numpy twins: the references the ONNX helpers are tested against ---------------------
+def np_rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float32)
+    return weight * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def np_silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def np_swiglu_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
+                  ) -> np.ndarray:
+    return (np_silu(x @ gate.T) * (x @ up.T)) @ down.T

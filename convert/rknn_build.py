@@ -1,0 +1,172 @@
+"""Build one ONNX graph into a ``.rknn`` with rknn-toolkit2 and optionally simulate it.
+
+Runs *inside* ``.venv-rknn`` (numpy<2, rknn-toolkit2 2.5.0), started as a subprocess by
+:func:`convert.rknn_toolkit.build_rknn`; keep it free of project imports. Usage::
+
+    .venv-rknn/bin/python convert/rknn_build.py --onnx g.onnx --out g.rknn --quant w8a8 \
+        --calibration calib.npz [--simulate inputs.npz --sim-out outputs.npz] --result r.json
+
+``calib.npz`` / ``inputs.npz`` map each graph input name to an array with a leading
+sample axis ``[N, *input_shape]``; ``outputs.npz`` maps each graph output name to
+``[N, *output_shape]``. The ``.rknn`` is written to a temporary name and renamed into
+place only after a successful export. The result JSON (also printed as a ``RESULT``
+line) says what happened; the exit status is 0 only on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+QUANT_TYPES = ("fp16", "w8a8")
+
+
+class BuildFailure(Exception):
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(f"{step}: {message}")
+        self.step = step
+
+
+def _check(ret: object, step: str) -> None:
+    # rknn-toolkit2 raises on most errors but still returns -1 on some.
+    if ret not in (0, None):
+        raise BuildFailure(step, f"rknn-toolkit2 returned {ret!r}")
+
+
+def _graph_io(onnx_path: Path) -> tuple[list[str], list[str]]:
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [i.name for i in model.graph.input if i.name not in inits]
+    return inputs, [o.name for o in model.graph.output]
+
+
+def _load_samples(path: Path, names: list[str], what: str) -> list[np.ndarray]:
+    with np.load(path) as data:
+        missing = [n for n in names if n not in data.files]
+        if missing:
+            raise BuildFailure(what, f"{path.name} lacks inputs {missing} (has {data.files})")
+        arrays = [np.asarray(data[n], dtype=np.float32) for n in names]
+    counts = {a.shape[0] for a in arrays}
+    if len(counts) != 1 or 0 in counts:
+        raise BuildFailure(what, f"inputs must share a non-zero sample count, got {counts}")
+    return arrays
+
+
+def _write_dataset(arrays: list[np.ndarray], workdir: Path) -> Path:
+    """rknn's dataset format: one line per sample, space-separated .npy per input."""
+    lines = []
+    for s in range(arrays[0].shape[0]):
+        files = []
+        for i, arr in enumerate(arrays):
+            f = workdir / f"calib_{s}_{i}.npy"
+            np.save(f, arr[s])
+            files.append(str(f))
+        lines.append(" ".join(files))
+    dataset = workdir / "dataset.txt"
+    dataset.write_text("\n".join(lines) + "\n")
+    return dataset
+
+
+def build(args: argparse.Namespace) -> dict:
+    from rknn.api import RKNN
+
+    onnx_path, out_path = Path(args.onnx), Path(args.out)
+    in_names, out_names = _graph_io(onnx_path)
+    if args.quant == "w8a8" and not args.calibration:
+        raise BuildFailure("config", "w8a8 needs a calibration set of real inputs")
+    result: dict = {"ok": False, "quant": args.quant, "target": args.target,
+                    "inputs": in_names, "outputs": out_names}
+    rk = RKNN(verbose=args.verbose)
+    try:
+        with tempfile.TemporaryDirectory(prefix="rknn-build-") as tmp:
+            cfg = {"target_platform": args.target}
+            if args.quant == "w8a8":
+                cfg.update(quantized_dtype="w8a8", quantized_method="channel",
+                           quantized_algorithm=args.algorithm)
+            if args.dynamic_input:
+                cfg["dynamic_input"] = json.loads(args.dynamic_input)
+            _check(rk.config(**cfg), "config")
+            t0 = time.perf_counter()
+            _check(rk.load_onnx(model=str(onnx_path)), "load_onnx")
+            t1 = time.perf_counter()
+            dataset = None
+            if args.quant == "w8a8":
+                calib = _load_samples(Path(args.calibration), in_names, "calibration")
+                dataset = str(_write_dataset(calib, Path(tmp)))
+            _check(rk.build(do_quantization=args.quant == "w8a8", dataset=dataset), "build")
+            t2 = time.perf_counter()
+            partial = out_path.parent / f".{out_path.stem}.{os.getpid()}.partial.rknn"
+            try:
+                _check(rk.export_rknn(str(partial)), "export_rknn")
+                os.replace(partial, out_path)
+            finally:
+                partial.unlink(missing_ok=True)
+            result.update(load_s=t1 - t0, build_s=t2 - t1, bytes=out_path.stat().st_size)
+            if args.simulate:
+                feeds = _load_samples(Path(args.simulate), in_names, "simulate")
+                _check(rk.init_runtime(), "init_runtime")
+                t3 = time.perf_counter()
+                outs: list[list[np.ndarray]] = [[] for _ in out_names]
+                for s in range(feeds[0].shape[0]):
+                    sample = [f[s] for f in feeds]
+                    # 4-D inputs are taken as NHWC unless told otherwise; our graphs are
+                    # laid out like their ONNX declaration.
+                    fmt = ["nchw"] * len(sample) if any(a.ndim == 4 for a in sample) else None
+                    got = rk.inference(inputs=sample, data_format=fmt)
+                    if got is None or len(got) != len(out_names):
+                        raise BuildFailure("inference", f"simulator returned {got!r:.200}")
+                    for slot, arr in zip(outs, got, strict=True):
+                        slot.append(np.asarray(arr, dtype=np.float32))
+                result["sim_s"] = time.perf_counter() - t3
+                sim_out = Path(args.sim_out)
+                tmp_out = sim_out.parent / f".{sim_out.stem}.{os.getpid()}.partial.npz"
+                np.savez(tmp_out, **{n: np.stack(o) for n, o in zip(out_names, outs, strict=True)})
+                os.replace(tmp_out, sim_out)
+    finally:
+        rk.release()
+    result["ok"] = True
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--onnx", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--quant", choices=QUANT_TYPES, required=True)
+    p.add_argument("--target", default="rk3588")
+    p.add_argument("--algorithm", default="normal", choices=("normal", "mmse", "kl_divergence"))
+    p.add_argument("--calibration")
+    p.add_argument("--dynamic-input", help="JSON list of input shape sets")
+    p.add_argument("--simulate")
+    p.add_argument("--sim-out")
+    p.add_argument("--result")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.simulate and not args.sim_out:
+        p.error("--simulate needs --sim-out")
+    try:
+        result = build(args)
+    except BuildFailure as exc:
+        result = {"ok": False, "step": exc.step, "error": str(exc)}
+    except Exception as exc:  # rknn raises ValueError/RuntimeError/... from deep inside
+        result = {"ok": False, "step": "rknn", "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()[-4000:]}
+    text = json.dumps(result)
+    if args.result:
+        Path(args.result).write_text(text)
+    print("RESULT " + text, flush=True)
+    return 0 if result["ok"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Python API over rknn-toolkit2, which lives in its own venv (it needs numpy<2).
+
+:func:`build_rknn` runs ``convert/rknn_build.py`` with ``.venv-rknn``'s interpreter
+(override with ``LING3_RKNN_PYTHON``) and returns the simulator outputs, so the converter
+and the simulator tests can stay in the project's numpy-2 environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUILD_SCRIPT = Path(__file__).resolve().with_name("rknn_build.py")
+QUANT_TYPES = ("fp16", "w8a8")
+
+
+class RknnToolkitError(RuntimeError):
+    """rknn-toolkit2 is unavailable or failed."""
+
+
+class RknnToolkitMissing(RknnToolkitError):
+    """No interpreter with rknn-toolkit2 (run ``make rknn-env``)."""
+
+
+class RknnBuildError(RknnToolkitError):
+    def __init__(self, step: str, message: str, log: str = "") -> None:
+        super().__init__(f"rknn build failed at {step}: {message}")
+        self.step = step
+        self.log = log
+
+
+@dataclass(frozen=True)
+class RknnBuildResult:
+    rknn_path: Path
+    size_bytes: int
+    build_seconds: float
+    sim_seconds: float | None
+    outputs: dict[str, np.ndarray] | None  # graph output name -> [N, *shape]
+    log: str
+
+
+def rknn_python() -> Path:
+    """Interpreter of the rknn-toolkit2 environment; raises if there is none."""
+    override = os.environ.get("LING3_RKNN_PYTHON")
+    path = Path(override) if override else REPO_ROOT / ".venv-rknn" / "bin" / "python"
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise RknnToolkitMissing(
+            f"no rknn-toolkit2 interpreter at {path}; run `make rknn-env` "
+            "or set LING3_RKNN_PYTHON"
+        )
+    return path
+
+
+def rknn_available() -> bool:
+    try:
+        rknn_python()
+    except RknnToolkitMissing:
+        return False
+    return True
+
+
+def _save_samples(path: Path, samples: Mapping[str, np.ndarray]) -> None:
+    np.savez(path, **{k: np.asarray(v, dtype=np.float32) for k, v in samples.items()})
+
+
+def build_rknn(
+    onnx_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    quant: str,
+    calibration: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None,
+    simulate_inputs: Mapping[str, np.ndarray] | None = None,
+    *,
+    target: str = "rk3588",
+    dynamic_input: Sequence[Sequence[Sequence[int]]] | None = None,
+    algorithm: str = "normal",
+    timeout: float | None = None,
+) -> RknnBuildResult:
+    """Convert ``onnx_path`` to ``out_path`` (fp16 or w8a8) and optionally simulate.
+
+    ``calibration`` (required for w8a8): input name -> ``[N, *shape]`` real activations,
+    or a path to such an ``.npz``. ``simulate_inputs``: same layout; the outputs come
+    back keyed by graph output name with the same leading sample axis.
+    """
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"quant must be one of {QUANT_TYPES}, got {quant!r}")
+    if quant == "w8a8" and calibration is None:
+        raise ValueError("w8a8 quantization needs a calibration set of real inputs")
+    python = rknn_python()
+    out_path = Path(out_path)
+    with tempfile.TemporaryDirectory(prefix="ling3-rknn-") as tmp:
+        work = Path(tmp)
+        cmd = [str(python), str(BUILD_SCRIPT), "--onnx", str(onnx_path), "--out", str(out_path),
+               "--quant", quant, "--target", target, "--algorithm", algorithm,
+               "--result", str(work / "result.json")]
+        if calibration is not None:
+            if isinstance(calibration, Mapping):
+                _save_samples(work / "calib.npz", calibration)
+                calibration = work / "calib.npz"
+            cmd += ["--calibration", str(calibration)]
+        if simulate_inputs is not None:
+            _save_samples(work / "sim_in.npz", simulate_inputs)
+            cmd += ["--simulate", str(work / "sim_in.npz"), "--sim-out", str(work / "sim_out.npz")]
+        if dynamic_input is not None:
+            cmd += ["--dynamic-input", json.dumps([[list(s) for s in group]
+                                                   for group in dynamic_input])]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  cwd=work, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise RknnBuildError("timeout", f"no result after {timeout} s") from exc
+        log = proc.stdout + proc.stderr
+        result_file = work / "result.json"
+        if not result_file.is_file():
+            raise RknnBuildError("process", f"exit status {proc.returncode}", log[-4000:])
+        result = json.loads(result_file.read_text())
+        if not result.get("ok") or proc.returncode != 0:
+            raise RknnBuildError(result.get("step", "unknown"), result.get("error", "?"),
+                                 log[-4000:])
+        outputs = None
+        if simulate_inputs is not None:
+            with np.load(work / "sim_out.npz") as data:
+                outputs = {name: data[name] for name in result["outputs"]}
+    return RknnBuildResult(out_path, int(result["bytes"]), float(result["build_s"]),
+                           result.get("sim_s"), outputs, log)
