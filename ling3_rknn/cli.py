@@ -1,0 +1,213 @@
+"""``ling3-rknn``: command-line entry point.
+
+``serve`` brings the HTTP API up first (``/health`` answers 503 while loading) and loads
+the model in a background thread, so a service manager sees a live process at once and a
+slow model load never looks like a hang. Other sub-commands are added next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+API_KEY_ENV = "LING3_RKNN_API_KEY"
+DEFAULT_MODEL_ID = "ling-3.0-tiny"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+log = logging.getLogger("ling3_rknn.cli")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``123``, ``512M``, ``2GiB`` (binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1073741824, 512M, 2G)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ling3-rknn", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bundle", type=Path, metavar="DIR", help="converted model bundle")
+    source.add_argument("--hf", type=Path, metavar="DIR", help="HF checkpoint (numpy model)")
+    source.add_argument(
+        "--demo", action="store_true", help="the built-in demo model (untrained placeholder)"
+    )
+    serve.add_argument("--tokenizer", type=Path, metavar="FILE", help="tokenizer.json for --hf")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
+    serve.add_argument("--port", type=_port, default=8080)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
+    serve.add_argument("--cache-bytes", type=parse_size, metavar="N", help="prefix cache size")
+    serve.add_argument("--cache-dir", type=Path, metavar="DIR", help="persist the prefix cache")
+    serve.add_argument("--max-context", type=_positive_int, metavar="N", help="context limit")
+    serve.add_argument("--model-id", default=None, help=f"served model id ({DEFAULT_MODEL_ID})")
+    serve.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another model id clients may send (repeatable)",
+    )
+    serve.add_argument("--max-body-bytes", type=parse_size, default=16 * 1024**2, metavar="N")
+    return parser
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, object]:
+    options: dict[str, object] = {"model_id": args.model_id or DEFAULT_MODEL_ID}
+    if args.max_context is not None:
+        options["max_context"] = args.max_context
+    if args.cache_bytes is not None:
+        options["cache_bytes"] = args.cache_bytes
+    if args.cache_dir is not None:
+        options["cache_dir"] = args.cache_dir
+    return options
+
+
+def make_loader(args: argparse.Namespace) -> Callable[[], object]:
+    """The function the server runs in a thread to build the engine."""
+    options = _engine_options(args)
+    if args.demo:
+
+        def load_demo() -> object:
+            from ling3_rknn.demo import load_demo_engine
+
+            print(
+                "ling3-rknn: serving the DEMO model: an untrained random placeholder with a "
+                "toy tokenizer. Its output is gibberish; use --bundle for the real model.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return load_demo_engine(**options)
+
+        return load_demo
+    if args.hf is not None:
+        hf_dir: Path = args.hf
+        tokenizer_path: Path = args.tokenizer or hf_dir / "tokenizer.json"
+
+        def load_hf() -> object:
+            from ling3_rknn.engine import Engine
+            from ling3_rknn.model import Model
+            from ling3_rknn.tokenizer import Tokenizer
+
+            if not tokenizer_path.is_file():
+                raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
+            return Engine(Model.from_hf(hf_dir), Tokenizer.from_file(tokenizer_path), **options)
+
+        return load_hf
+    bundle_dir: Path = args.bundle
+
+    def load_bundle() -> object:
+        from ling3_rknn.engine import Engine
+        from ling3_rknn.model import Model
+        from ling3_rknn.tokenizer import Tokenizer
+
+        if not bundle_dir.is_dir():
+            raise FileNotFoundError(f"bundle directory not found: {bundle_dir}")
+        from_bundle = getattr(Model, "from_bundle", None)
+        if from_bundle is None:
+            raise RuntimeError(
+                "this build cannot load bundles yet; serve an HF checkpoint with "
+                "--hf DIR --tokenizer FILE"
+            )
+        return Engine(
+            from_bundle(bundle_dir), Tokenizer.from_file(bundle_dir / "tokenizer.json"), **options
+        )
+
+    return load_bundle
+
+
+def serve(args: argparse.Namespace) -> int:
+    from ling3_rknn.server import AppConfig, EngineHolder, create_app, run_server
+    from ling3_rknn.server.app import request_stop
+
+    if args.tokenizer is not None and args.hf is None:
+        print("ling3-rknn: --tokenizer only applies to --hf", file=sys.stderr)
+        return 2
+    if not _is_loopback(args.host) and not args.api_key:
+        log.warning(
+            "listening on %s without an API key: anyone who can reach it can use the model "
+            "(set --api-key or $%s)",
+            args.host,
+            API_KEY_ENV,
+        )
+    config = AppConfig(
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        model_aliases=tuple(args.model_alias),
+    )
+    failed: list[BaseException] = []
+    holder = EngineHolder()
+    app = None
+
+    def on_load_error(exc: BaseException) -> None:
+        failed.append(exc)
+        if app is not None:
+            request_stop(app)
+
+    app = create_app(holder, config, loader=make_loader(args), on_load_error=on_load_error)
+    try:
+        asyncio.run(run_server(app, args.host, args.port))
+    except OSError as exc:
+        print(f"ling3-rknn: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    if failed:
+        print(f"ling3-rknn: model failed to load: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "serve":
+        return serve(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

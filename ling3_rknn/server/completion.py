@@ -1,0 +1,176 @@
+"""One chat completion from a validated request to typed events.
+
+Streaming and non-streaming responses both consume the same event sequence, so a
+streamed answer always concatenates to the non-streamed one. Rendering (OpenAI messages
+to typed prompt segments) and parsing (generated text to reasoning, content and tool
+calls) belong to ``ling3_rknn.chat``; this module only wires them to the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ling3_rknn import chat
+from ling3_rknn.engine.api import (
+    ContextLengthExceeded,
+    EngineBusy,
+    EngineProtocol,
+    Finished,
+    GenerationRequest,
+    SegmentLike,
+    TextDelta,
+    Usage,
+)
+from ling3_rknn.server.errors import ApiError, busy, context_length_exceeded, invalid_request
+from ling3_rknn.server.validate import ChatRequest
+
+# The model sometimes spells its end-of-turn marker as ordinary text tokens instead of the
+# control token; treating the text as a stop string ends the turn either way.
+END_OF_TURN_TEXT = "<|role_end|>"
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_tool_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(frozen=True)
+class ReasoningOut:
+    text: str
+
+
+@dataclass(frozen=True)
+class ContentOut:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallOut:
+    index: int
+    id: str
+    name: str
+    arguments: str  # the whole JSON string
+
+
+@dataclass(frozen=True)
+class DoneOut:
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    usage: Usage
+
+
+CompletionEvent = ReasoningOut | ContentOut | ToolCallOut | DoneOut
+
+
+def render_prompt(request: ChatRequest) -> Sequence[SegmentLike]:
+    """Typed prompt segments; bad history (e.g. a tool message without a call) is a 400."""
+    try:
+        return chat.render(
+            request.messages,
+            request.tools,
+            enable_thinking=request.enable_thinking,
+            add_generation_prompt=True,
+        )
+    except chat.ChatFormatError as exc:
+        raise invalid_request(str(exc), param="messages") from None
+
+
+def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> GenerationRequest:
+    stops = [*request.stop, END_OF_TURN_TEXT]
+    return GenerationRequest(
+        prompt=prompt,
+        sampling=request.sampling,
+        max_tokens=request.max_tokens,
+        stop=tuple(dict.fromkeys(stops)),
+    )
+
+
+class Completion:
+    """Drives one generation: engine text in, completion events out.
+
+    ``start()`` obtains the engine's first event, so the engine's up-front refusals
+    (busy, prompt too long) surface as HTTP errors before any response header is sent.
+    ``close()`` cancels the generation; it is safe to call at any time, more than once.
+    """
+
+    def __init__(self, engine: EngineProtocol, request: ChatRequest) -> None:
+        self.request = request
+        prompt = render_prompt(request)
+        tools = request.tools if request.tool_choice != "none" else None
+        self._parser = chat.StreamingParser(
+            tools,
+            thinking=request.enable_thinking,
+            parallel_tool_calls=request.parallel_tool_calls,
+        )
+        self._generation = engine.generate(generation_request(request, prompt))
+        self._first: TextDelta | Finished | None = None
+        self._calls = 0
+        self.finished: Finished | None = None
+
+    async def start(self) -> None:
+        try:
+            self._first = await anext(self._generation)
+        except ContextLengthExceeded as exc:
+            raise context_length_exceeded(str(exc)) from None
+        except EngineBusy as exc:
+            raise busy(str(exc) or "The server is busy; retry shortly.") from None
+        except StopAsyncIteration:
+            raise ApiError(500, "The engine ended without a result.", type="server_error") from None
+
+    async def events(self) -> AsyncIterator[CompletionEvent]:
+        if self._first is None:
+            await self.start()
+        event = self._first
+        self._first = None
+        while event is not None:
+            if isinstance(event, Finished):
+                self.finished = event
+                for out in self._convert(self._parser.finish()):
+                    yield out
+                yield DoneOut(self._finish_reason(event), event.usage)
+                return
+            for out in self._convert(self._parser.feed(event.text)):
+                yield out
+            try:
+                event = await anext(self._generation)
+            except StopAsyncIteration:
+                raise ApiError(
+                    500, "The engine stopped without finishing.", type="server_error"
+                ) from None
+
+    async def close(self) -> None:
+        closer = getattr(self._generation, "aclose", None)
+        if closer is not None:
+            await closer()
+
+    def _finish_reason(self, finished: Finished) -> str:
+        if self._calls:
+            return "tool_calls"
+        if finished.finish_reason == "cancelled":
+            raise ApiError(503, "The generation was cancelled by the server.", type="server_error")
+        return finished.finish_reason
+
+    def _convert(self, parsed: Any) -> list[CompletionEvent]:
+        out: list[CompletionEvent] = []
+        for item in parsed:
+            if isinstance(item, chat.ReasoningDelta):
+                if item.text:
+                    out.append(ReasoningOut(item.text))
+            elif isinstance(item, chat.ContentDelta):
+                if item.text:
+                    out.append(ContentOut(item.text))
+            elif isinstance(item, chat.ToolCallParsed):
+                out.append(
+                    ToolCallOut(
+                        index=self._calls,
+                        id=new_tool_call_id(),
+                        name=item.call.name,
+                        arguments=json.dumps(item.call.arguments, ensure_ascii=False),
+                    )
+                )
+                self._calls += 1
+        return out

@@ -1,0 +1,120 @@
+"""Errors in OpenAI's body shape, so every client's error handling (retries, context
+compaction, messages shown to the user) works against this server unchanged."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from aiohttp import web
+
+
+class ApiError(Exception):
+    """An error that becomes ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self, request_id: str | None = None) -> web.Response:
+        headers = dict(self.headers)
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return web.Response(
+            status=self.status,
+            body=json.dumps(self.body()).encode(),
+            content_type="application/json",
+            headers=headers,
+        )
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def context_length_exceeded(message: str) -> ApiError:
+    # opencode and pi trigger compaction on this code or on "maximum context length is N tokens".
+    return ApiError(400, message, param="messages", code="context_length_exceeded")
+
+
+def unauthorized() -> ApiError:
+    return ApiError(
+        401,
+        "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+        type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def not_found(message: str, code: str = "not_found", param: str | None = None) -> ApiError:
+    return ApiError(404, message, type="invalid_request_error", param=param, code=code)
+
+
+def busy(message: str, retry_after_s: int = 1) -> ApiError:
+    # The OpenAI SDKs and the AI SDK retry 503 honouring Retry-After.
+    return ApiError(
+        503,
+        message,
+        type="server_busy",
+        code="server_busy",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def loading() -> ApiError:
+    return ApiError(
+        503,
+        "The model is still loading; retry shortly.",
+        type="server_busy",
+        code="model_loading",
+        headers={"Retry-After": "5"},
+    )
+
+
+def internal(request_id: str | None) -> ApiError:
+    # Never a traceback in the body; the request id links the client's report to the log.
+    suffix = f" (request id {request_id})" if request_id else ""
+    return ApiError(
+        500,
+        f"The server had an internal error while processing the request{suffix}.",
+        type="server_error",
+        code="internal_error",
+        headers={"x-should-retry": "false"},
+    )
+
+
+def from_http_exception(exc: web.HTTPException) -> ApiError:
+    """Map aiohttp's own errors (404 route, 405 method, 413 body) to OpenAI bodies."""
+    status = exc.status
+    if status == 404:
+        return not_found("Unknown route.", code="unknown_route")
+    if status == 405:
+        return ApiError(405, "Method not allowed for this route.", code="method_not_allowed")
+    if status == 413:
+        return ApiError(413, "Request body too large.", code="request_too_large")
+    return ApiError(status, exc.reason or "HTTP error", code=None)

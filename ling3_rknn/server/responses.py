@@ -1,0 +1,132 @@
+"""OpenAI response and chunk shapes (``serving-protocol.md`` 3.2 and 3.3), built as
+plain dicts so the hot streaming path is one ``json.dumps`` per chunk."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ling3_rknn.engine.api import Usage
+from ling3_rknn.server.completion import ToolCallOut
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def tool_call_body(call: ToolCallOut) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+@dataclass
+class MessageBuilder:
+    """Accumulates completion events into one non-stream ``chat.completion`` body."""
+
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCallOut] = field(default_factory=list)
+
+    def body(
+        self, completion_id: str, model: str, created: int, finish_reason: str, usage: Usage
+    ) -> dict[str, Any]:
+        text = "".join(self.content)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text if text or not self.tool_calls else None,
+        }
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [tool_call_body(c) for c in self.tool_calls]
+        return {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            ],
+            "usage": usage_body(usage),
+        }
+
+
+class ChunkFactory:
+    """Chunks of one stream: same id, created and model on every chunk."""
+
+    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+        self.completion_id = completion_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def role(self) -> dict[str, Any]:
+        return self._chunk({"role": "assistant", "content": None})
+
+    def reasoning(self, text: str) -> dict[str, Any]:
+        return self._chunk({"reasoning_content": text})
+
+    def content(self, text: str) -> dict[str, Any]:
+        return self._chunk({"content": text})
+
+    def tool_call(self, call: ToolCallOut) -> dict[str, Any]:
+        return self._chunk({"tool_calls": [{"index": call.index, **tool_call_body(call)}]})
+
+    def finish(self, finish_reason: str) -> dict[str, Any]:
+        return self._chunk({}, finish_reason)
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [],
+            "usage": usage_body(usage),
+        }
+
+
+def models_body(model_ids: list[str], created: int, max_context: int | None) -> dict[str, Any]:
+    data = []
+    for model_id in model_ids:
+        entry: dict[str, Any] = {
+            "id": model_id,
+            "object": "model",
+            "created": created,
+            "owned_by": "ling3-rknn",
+        }
+        if max_context:
+            entry["max_model_len"] = max_context
+        data.append(entry)
+    return {"object": "list", "data": data}
