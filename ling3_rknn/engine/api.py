@@ -97,6 +97,11 @@ class EngineFailure(EngineError):
     """The model or NPU failed; the engine stays usable for the next request."""
 
 
+class InvalidRequest(EngineError, ValueError):
+    """A request value the engine cannot honour (bad sampling knob, empty prompt); the
+    server answers 400. Raised before the first event, like ContextLengthExceeded."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     requests: int = 0

@@ -1,0 +1,258 @@
+"""Token sampling: penalties, temperature, top-k, top-p, min-p, seeded draws.
+
+The processing order follows transformers' generate() (penalties, temperature, top-k,
+top-p, min-p) so results can be checked against it. Selection is partial: a block-maximum
+bound narrows the vocabulary to a handful of candidates before anything is sorted, so a
+157,184-entry vocabulary costs a few linear passes per token, never a full sort. Ties are
+broken towards the lower token id everywhere, which keeps greedy output deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .api import InvalidRequest, SamplingParams
+
+_BLOCK = 256  # block size of the block-maximum bound used for partial selection
+_TOP_P_FIRST_GUESS = 64  # candidates tried first when top-p runs without top-k
+
+# Ling-3.0-tiny's generation_config.json (ling3-model.md section 8).
+LING3_GENERATION_DEFAULTS = SamplingParams(temperature=1.0, top_p=0.95, top_k=20)
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """Fully resolved sampling knobs (no ``None`` left)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def defaults_from_generation_config(config: Mapping[str, Any]) -> SamplingParams:
+    """Read sampling defaults from a Hugging Face ``generation_config.json`` mapping.
+
+    Missing keys fall back to Ling-3.0-tiny's published defaults; ``do_sample: false``
+    means greedy, as in transformers.
+    """
+    base = LING3_GENERATION_DEFAULTS
+
+    def pick(key: str, fallback: Any, kind: type) -> Any:
+        value = config.get(key, fallback)
+        if value is None:
+            return fallback
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequest(f"generation config: {key} must be a number, got {value!r}")
+        return kind(value)
+
+    temperature = pick("temperature", base.temperature, float)
+    if config.get("do_sample") is False:
+        temperature = 0.0
+    return SamplingParams(
+        temperature=temperature,
+        top_p=pick("top_p", base.top_p, float),
+        top_k=pick("top_k", base.top_k, int),
+        min_p=pick("min_p", 0.0, float),
+        repetition_penalty=pick("repetition_penalty", 1.0, float),
+    )
+
+
+def resolve_settings(request: SamplingParams, defaults: SamplingParams) -> SamplerSettings:
+    """Merge a request's knobs over the defaults and validate every value."""
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(request, name)
+        if value is None:
+            value = getattr(defaults, name)
+        return fallback if value is None else value
+
+    s = SamplerSettings(
+        temperature=float(pick("temperature", 1.0)),
+        top_k=int(pick("top_k", 0)),
+        top_p=float(pick("top_p", 1.0)),
+        min_p=float(pick("min_p", 0.0)),
+        repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        presence_penalty=float(pick("presence_penalty", 0.0)),
+        frequency_penalty=float(pick("frequency_penalty", 0.0)),
+        seed=request.seed if request.seed is not None else defaults.seed,
+    )
+    checks = [
+        (math.isfinite(s.temperature) and s.temperature >= 0.0, "temperature must be >= 0"),
+        (s.top_k >= -1, "top_k must be >= 0 (0 or -1 disables it)"),
+        (0.0 < s.top_p <= 1.0, "top_p must be in (0, 1]"),
+        (0.0 <= s.min_p <= 1.0, "min_p must be in [0, 1]"),
+        (
+            math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0.0,
+            "repetition_penalty must be > 0",
+        ),
+        (math.isfinite(s.presence_penalty), "presence_penalty must be finite"),
+        (math.isfinite(s.frequency_penalty), "frequency_penalty must be finite"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise InvalidRequest(message)
+    if s.top_k < 0:
+        s = SamplerSettings(**{**s.__dict__, "top_k": 0})
+    return s
+
+
+def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest values, ordered by value descending then id ascending.
+
+    Every block's maximum is an element of ``x``, so the k-th largest block maximum is a
+    lower bound for the k-th largest value; only elements above that bound are ranked.
+    """
+    n = x.shape[0]
+    if k >= n:
+        candidates = np.arange(n)
+    else:
+        starts = np.arange(0, n, _BLOCK)
+        if starts.size > k:
+            block_max = np.maximum.reduceat(x, starts)
+            bound = np.partition(block_max, starts.size - k)[starts.size - k]
+            candidates = np.flatnonzero(x >= bound)
+        else:
+            candidates = np.arange(n)
+    values = x[candidates]
+    if candidates.size > k:
+        kth = np.partition(values, candidates.size - k)[candidates.size - k]
+        above = candidates[values > kth]
+        ties = candidates[values == kth][: k - above.size]  # candidates ascend by id
+        candidates = np.concatenate([above, ties])
+        values = x[candidates]
+    if candidates.size < min(k, n):
+        raise FloatingPointError("logits are not finite")  # NaN compares false everywhere
+    order = np.lexsort((candidates, -values))
+    return candidates[order]
+
+
+class Sampler:
+    """Per-request sampler; remembers the tokens it needs for penalties."""
+
+    def __init__(
+        self, settings: SamplerSettings, vocab_size: int, prompt_ids: Iterable[int] = ()
+    ) -> None:
+        self.settings = settings
+        self._vocab_size = vocab_size
+        self._rng = np.random.default_rng(settings.seed)
+        self._seen: dict[int, None] = dict.fromkeys(
+            int(t) for t in prompt_ids if 0 <= int(t) < vocab_size
+        )
+        self._seen_array: np.ndarray | None = None
+        self._output_counts: dict[int, int] = {}
+        self._penalised = (
+            settings.repetition_penalty != 1.0
+            or settings.presence_penalty != 0.0
+            or settings.frequency_penalty != 0.0
+        )
+
+    def accept(self, token_id: int) -> None:
+        """Record a generated token (feeds the penalties)."""
+        if token_id not in self._seen:
+            self._seen[token_id] = None
+            self._seen_array = None
+        self._output_counts[token_id] = self._output_counts.get(token_id, 0) + 1
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Choose the next token from one row of logits; never modifies ``logits``."""
+        x = self._apply_penalties(logits) if self._penalised else logits
+        s = self.settings
+        if s.greedy:
+            token = int(np.argmax(x))
+            if not math.isfinite(float(x[token])):
+                raise FloatingPointError("logits are not finite")
+            return token
+        if s.top_k == 0 and s.top_p >= 1.0 and s.min_p == 0.0:
+            return self._sample_full(x)
+        return self._sample_candidates(x)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _apply_penalties(self, logits: np.ndarray) -> np.ndarray:
+        s = self.settings
+        x = np.array(logits, dtype=np.float32, copy=True)
+        if s.repetition_penalty != 1.0 and self._seen:
+            if self._seen_array is None:
+                self._seen_array = np.fromiter(self._seen, dtype=np.int64, count=len(self._seen))
+            ids = self._seen_array
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
+        if (s.presence_penalty != 0.0 or s.frequency_penalty != 0.0) and self._output_counts:
+            ids = np.fromiter(self._output_counts, dtype=np.int64, count=len(self._output_counts))
+            counts = np.fromiter(
+                self._output_counts.values(), dtype=np.float32, count=len(self._output_counts)
+            )
+            x[ids] -= np.float32(s.presence_penalty) + np.float32(s.frequency_penalty) * counts
+        return x
+
+    def _draw(self, weights: np.ndarray) -> int:
+        """Index drawn with probability proportional to ``weights`` (float64, >= 0)."""
+        cumulative = np.cumsum(weights)
+        total = cumulative[-1]
+        if not (math.isfinite(total) and total > 0.0):
+            raise FloatingPointError("logits are not finite")
+        index = int(np.searchsorted(cumulative, self._rng.random() * total, side="right"))
+        return min(index, weights.shape[0] - 1)
+
+    def _sample_full(self, x: np.ndarray) -> int:
+        """Plain temperature sampling over the whole vocabulary (no selection at all)."""
+        z = (x.astype(np.float64) - float(np.max(x))) / self.settings.temperature
+        return self._draw(np.exp(z))
+
+    def _sample_candidates(self, x: np.ndarray) -> int:
+        s = self.settings
+        t = s.temperature
+        if s.top_k > 0:
+            candidates = top_k_ids(x, s.top_k)
+            z = (x[candidates].astype(np.float64) - float(x[candidates[0]])) / t
+            p = np.exp(z)
+            probs = p / p.sum()
+        elif s.top_p < 1.0:
+            candidates, z, probs = self._top_p_candidates(x)
+            p = np.exp(z)
+        else:  # min-p alone: every token within the min-p ratio of the best one
+            x_max = float(np.max(x))
+            pool = np.flatnonzero(x >= np.float32(x_max + t * math.log(s.min_p)))
+            order = np.lexsort((pool, -x[pool]))
+            candidates = pool[order]
+            z = (x[candidates].astype(np.float64) - x_max) / t
+            p = np.exp(z)
+            probs = p / p.sum()
+        keep = candidates.shape[0]
+        if s.top_p < 1.0:
+            exclusive = np.cumsum(probs) - probs  # mass strictly before each candidate
+            keep = max(1, int(np.count_nonzero(exclusive < s.top_p)))
+        if s.min_p > 0.0:
+            keep = max(1, min(keep, int(np.count_nonzero(z >= math.log(s.min_p)))))
+        return int(candidates[self._draw(p[:keep])])
+
+    def _top_p_candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Grow a top-m candidate set until it holds the top-p mass of the full softmax."""
+        t = self.settings.temperature
+        x_max = float(np.max(x))
+        # Normaliser over the whole vocabulary, in float32 then summed in float64.
+        full = np.exp((x - np.float32(x_max)) / np.float32(t)).astype(np.float64)
+        normaliser = float(full.sum())
+        m = _TOP_P_FIRST_GUESS
+        n = x.shape[0]
+        while True:
+            candidates = top_k_ids(x, min(m, n))
+            z = (x[candidates].astype(np.float64) - x_max) / t
+            probs = np.exp(z) / normaliser
+            if m >= n or probs.sum() >= self.settings.top_p:
+                return candidates, z, probs
+            m *= 4
