@@ -78,6 +78,12 @@ class GraphBuilder:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                                   producer_name="ling3-rknn convert")
         model.ir_version = IR_VERSION
+        # Outputs declared without a shape get the inferred one: rknn-toolkit2 and the
+        # manifest both want every output's static shape.
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        for out in model.graph.output:
+            if not out.type.tensor_type.HasField("shape"):
+                raise ValueError(f"cannot infer the shape of output {out.name!r}")
         onnx.checker.check_model(model)
         return model
 
@@ -87,6 +93,16 @@ class GraphBuilder:
 
     def mul(self, a: str, b: str) -> str:
         return self._node("Mul", [a, b], "mul")
+
+    def scale_shift(self, x: str, name: str, scale: np.ndarray | None = None,
+                    shift: np.ndarray | None = None) -> str:
+        """``x * scale + shift`` with constant (broadcast) operands, e.g. the KDA forget
+        gate's ``dt_bias`` and per-head ``exp(A_log)``; folded by the compiler."""
+        if scale is not None:
+            x = self.mul(x, self.weight(name + ".scale", scale))
+        if shift is not None:
+            x = self.add(x, self.weight(name + ".shift", shift))
+        return x
 
     def sigmoid(self, x: str) -> str:
         return self._node("Sigmoid", [x], "sigmoid")
