@@ -1,0 +1,153 @@
+"""OpenAI ``messages`` as received over HTTP -> the plain shapes the Bailing V3 template expects.
+
+The template needs string contents, dict arguments and knows no ``developer`` role, so the
+request is normalised first (serving-protocol.md section 6):
+
+* ``developer`` -> ``system`` (the template would silently drop it).
+* ``content``: ``None`` -> ``""``; a list of ``{"type": "text", "text": ...}`` parts is joined
+  with ``"\\n"`` (what vLLM and llama.cpp do); ``refusal`` parts count as text on assistant
+  messages; any other part type (images, audio, files) is a ChatFormatError.
+* reasoning: ``reasoning_content``, else ``reasoning`` (the names clients echo back).
+* tool call ``arguments``: a dict is used as is; a JSON string is decoded; an empty string or
+  ``None`` means no arguments. A string that is not JSON, or JSON that is not an object,
+  cannot be rendered by the template (it iterates ``arguments.items()``). Fallback: the call is
+  kept and its raw string is written as the call body (``<tool_call>NAME\\nRAW\\n</tool_call>``),
+  so the model still sees exactly what the client sent; nothing is invented or dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .segments import ChatFormatError
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass(frozen=True)
+class RawArguments:
+    """Arguments string that is not a JSON object; rendered verbatim (see module docstring)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class NormalCall:
+    name: str
+    arguments: dict[str, Any] | RawArguments
+
+
+@dataclass(frozen=True)
+class NormalMessage:
+    role: str  # system | user | assistant | tool
+    content: str
+    reasoning: str | None = None
+    tool_calls: list[NormalCall] = field(default_factory=list)
+
+
+def _content(msg: dict, where: str, role: str) -> str:
+    content = msg.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatFormatError(f"{where}.content must be a string, null or a list of text parts")
+    texts = []
+    allowed = {"text", "refusal"} if role == "assistant" else {"text"}
+    for j, part in enumerate(content):
+        pwhere = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise ChatFormatError(f"{pwhere} must be an object with a 'type'")
+        kind = part.get("type")
+        if kind not in allowed:
+            raise ChatFormatError(
+                f"{pwhere}.type {kind!r} is not supported (this model reads text only)"
+            )
+        value = part.get(kind)
+        if not isinstance(value, str):
+            raise ChatFormatError(f"{pwhere}.{kind} must be a string")
+        texts.append(value)
+    return "\n".join(texts)
+
+
+def _arguments(raw: Any, where: str) -> dict[str, Any] | RawArguments:
+    if raw is None:
+        return {}
+    if isinstance(raw, dict):
+        return raw
+    if not isinstance(raw, str):
+        raise ChatFormatError(f"{where} must be a JSON string or an object")
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return RawArguments(raw)
+    return value if isinstance(value, dict) else RawArguments(raw)
+
+
+def _tool_calls(msg: dict, where: str) -> list[NormalCall]:
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise ChatFormatError(f"{where}.tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        cwhere = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise ChatFormatError(f"{cwhere} must be an object")
+        fn = call.get("function") or call  # the template also accepts a bare {name, arguments}
+        if not isinstance(fn, dict):
+            raise ChatFormatError(f"{cwhere}.function must be an object")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ChatFormatError(f"{cwhere}.function.name must be a non-empty string")
+        out.append(
+            NormalCall(name, _arguments(fn.get("arguments"), f"{cwhere}.function.arguments"))
+        )
+    return out
+
+
+def normalize_messages(messages: Any) -> list[NormalMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("messages must be a non-empty list")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ChatFormatError(f"{where} must be an object")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ChatFormatError(f"{where}.role {role!r} is not one of {sorted(ROLES)}")
+        if role == "developer":
+            role = "system"
+        content = _content(msg, where, role)
+        reasoning = None
+        calls: list[NormalCall] = []
+        if role == "assistant":
+            for key in ("reasoning_content", "reasoning"):
+                value = msg.get(key)
+                if value is None:
+                    continue
+                if not isinstance(value, str):
+                    raise ChatFormatError(f"{where}.{key} must be a string")
+                reasoning = value
+                break
+            calls = _tool_calls(msg, where)
+        out.append(NormalMessage(role, content, reasoning, calls))
+    return out
+
+
+def normalize_tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise ChatFormatError("tools must be a list")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ChatFormatError(f"tools[{i}] must be an object")
+    return tools
