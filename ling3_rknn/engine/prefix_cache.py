@@ -1,0 +1,422 @@
+"""Prefix cache: a radix trie of token paths whose nodes hold model-state snapshots.
+
+A recurrent (KDA) state cannot be rolled back, so a cached prefix is usable only at the
+exact position where a snapshot was taken. ``lookup`` returns the deepest snapshot whose
+token path is a prefix of the request; the caller evaluates only the remaining tokens.
+
+Each entry stores the logits row of its last position next to the snapshot (about 0.6 MB
+at Ling's vocabulary, against ~20 MB of state), so a request whose whole prompt is cached
+can sample its first token without re-evaluating anything, and the next token's logits are
+the same numbers a cold evaluation produced when the snapshot was taken.
+
+Memory is bounded by bytes. Eviction is LRU among leaves first: an entry whose node has
+children in the trie is a prefix shared by longer conversations (typically the system and
+tools header), so it goes only after every leaf below it. With a ``SnapshotStore`` every
+snapshot is also written to disk by a background thread; an entry evicted from memory
+stays indexed as disk-only and is read back (and verified) when a request needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .snapshot_store import SnapshotFileError, SnapshotStore, StoredSnapshot
+
+log = logging.getLogger(__name__)
+
+ToArrays = Callable[[Any], Mapping[str, np.ndarray]]
+FromArrays = Callable[[Mapping[str, np.ndarray]], Any]
+
+_WRITE_QUEUE = 4  # pending disk writes; beyond this a snapshot stays memory-only
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    depth: int  # number of leading request tokens the snapshot covers
+    snapshot: Any
+    logits: np.ndarray  # logits row after the snapshot's last token
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    lookups: int
+    hits: int
+    entries: int
+    resident_entries: int
+    bytes_held: int  # memory held by resident snapshots and their logits
+    disk_entries: int
+    disk_bytes: int
+    disk_errors: int  # files found corrupt, truncated or foreign and deleted
+
+
+class _Entry:
+    __slots__ = ("hits", "last_used", "logits", "nbytes", "node", "snapshot", "stored", "writing")
+
+    def __init__(self, node: _Node) -> None:
+        self.node = node
+        self.snapshot: Any = None
+        self.logits: np.ndarray | None = None
+        self.nbytes = 0
+        self.stored: StoredSnapshot | None = None
+        self.writing = False
+        self.last_used = 0
+        self.hits = 0
+
+    @property
+    def resident(self) -> bool:
+        return self.snapshot is not None
+
+
+class _Node:
+    __slots__ = ("children", "depth", "edge", "entry", "parent")
+
+    def __init__(self, edge: tuple[int, ...], parent: _Node | None, depth: int) -> None:
+        self.edge = edge
+        self.parent = parent
+        self.depth = depth
+        self.children: dict[int, _Node] = {}
+        self.entry: _Entry | None = None
+
+    def path(self) -> tuple[int, ...]:
+        parts = []
+        node: _Node | None = self
+        while node is not None:
+            parts.append(node.edge)
+            node = node.parent
+        return tuple(t for edge in reversed(parts) for t in edge)
+
+
+def _common_length(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
+    """Length of the common prefix of ``edge`` and ``tokens[start:]``."""
+    n = min(len(edge), len(tokens) - start)
+    if tuple(tokens[start : start + n]) == edge[:n]:
+        return n
+    i = 0
+    while i < n and edge[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """Token-path trie of state snapshots, bounded in memory (and on disk)."""
+
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        store: SnapshotStore | None = None,
+        to_arrays: ToArrays | None = None,
+        from_arrays: FromArrays | None = None,
+        max_disk_bytes: int | None = None,
+        background_writes: bool = True,
+    ) -> None:
+        if store is not None and (to_arrays is None or from_arrays is None):
+            raise ValueError("a snapshot store needs to_arrays and from_arrays")
+        self.max_bytes = max_bytes
+        self.max_disk_bytes = max_disk_bytes if max_disk_bytes is not None else 4 * max_bytes
+        self._store = store
+        self._to_arrays = to_arrays
+        self._from_arrays = from_arrays
+        self._lock = threading.RLock()
+        self._root = _Node((), None, 0)
+        self._entries: set[_Entry] = set()
+        self._tick = 0
+        self._bytes = 0
+        self._disk_bytes = 0
+        self._lookups = 0
+        self._hits = 0
+        self._disk_errors = 0
+        self._writes: queue.Queue[tuple[_Entry, tuple[int, ...], np.ndarray, Any] | None] = (
+            queue.Queue(maxsize=_WRITE_QUEUE)
+        )
+        self._writer: threading.Thread | None = None
+        self._sync_writes = not background_writes
+        if store is not None:
+            self._index_store(store)
+            if background_writes:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="prefix-cache-writer", daemon=True
+                )
+                self._writer.start()
+
+    # -- public --------------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int]) -> CacheHit | None:
+        """Deepest usable snapshot whose path is a prefix of ``tokens`` (or None)."""
+        with self._lock:
+            self._lookups += 1
+            for entry in self._entries_on_path(tokens):
+                if not entry.resident and not self._load(entry):
+                    continue
+                self._touch(entry)
+                entry.hits += 1
+                self._hits += 1
+                assert entry.logits is not None
+                return CacheHit(entry.node.depth, entry.snapshot, entry.logits)
+            return None
+
+    def insert(self, tokens: Sequence[int], snapshot: Any, logits: np.ndarray) -> bool:
+        """Remember ``snapshot`` (state after ``tokens``) and its last logits row.
+
+        Returns False when it cannot be held (bigger than the whole budget)."""
+        if not tokens:
+            return False
+        row = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
+        nbytes = int(snapshot.nbytes) + row.nbytes
+        if nbytes > self.max_bytes:
+            return False
+        key = tuple(int(t) for t in tokens)
+        with self._lock:
+            node = self._insert_node(key)
+            entry = node.entry
+            if entry is None:
+                entry = node.entry = _Entry(node)
+                self._entries.add(entry)
+            if not entry.resident:
+                entry.snapshot, entry.logits, entry.nbytes = snapshot, row, nbytes
+                self._bytes += nbytes
+            self._touch(entry)
+            self._evict_memory(keep=entry)
+            persist = (
+                self._store is not None
+                and entry.stored is None
+                and not entry.writing
+                and entry in self._entries
+            )
+            if persist:
+                entry.writing = True
+        if persist:
+            self._persist(entry, key, row, snapshot)
+        return True
+
+    def counters(self) -> CacheCounters:
+        with self._lock:
+            return CacheCounters(
+                lookups=self._lookups,
+                hits=self._hits,
+                entries=len(self._entries),
+                resident_entries=sum(1 for e in self._entries if e.resident),
+                bytes_held=self._bytes,
+                disk_entries=sum(1 for e in self._entries if e.stored is not None),
+                disk_bytes=self._disk_bytes,
+                disk_errors=self._disk_errors,
+            )
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Token paths of every entry (diagnostics and tests)."""
+        with self._lock:
+            return sorted(e.node.path() for e in self._entries)
+
+    def flush(self) -> None:
+        """Wait until every queued disk write has finished."""
+        if self._writer is not None:
+            self._writes.join()
+
+    def close(self) -> None:
+        """Finish pending writes and stop the writer thread."""
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join()
+            self._writer = None
+
+    # -- trie ----------------------------------------------------------------------
+
+    def _entries_on_path(self, tokens: Sequence[int]) -> list[_Entry]:
+        """Entries whose path is a prefix of ``tokens``, deepest first."""
+        found: list[_Entry] = []
+        node = self._root
+        i = 0
+        while i < len(tokens):
+            child = node.children.get(int(tokens[i]))
+            if child is None:
+                break
+            if _common_length(child.edge, tokens, i) < len(child.edge):
+                break
+            node = child
+            i += len(child.edge)
+            if node.entry is not None:
+                found.append(node.entry)
+        found.reverse()
+        return found
+
+    def _insert_node(self, key: tuple[int, ...]) -> _Node:
+        node = self._root
+        i = 0
+        while i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                new = _Node(key[i:], node, len(key))
+                node.children[key[i]] = new
+                return new
+            common = _common_length(child.edge, key, i)
+            if common == len(child.edge):
+                node, i = child, i + common
+                continue
+            middle = _Node(child.edge[:common], node, node.depth + common)
+            node.children[key[i]] = middle
+            child.edge = child.edge[common:]
+            child.parent = middle
+            middle.children[child.edge[0]] = child
+            node, i = middle, i + common
+        return node
+
+    def _remove(self, entry: _Entry) -> None:
+        """Forget an entry and prune the trie around its node."""
+        self._entries.discard(entry)
+        if entry.resident:
+            self._bytes -= entry.nbytes
+        entry.snapshot = entry.logits = None
+        node = entry.node
+        node.entry = None
+        while node.parent is not None and node.entry is None:
+            parent = node.parent
+            if not node.children:
+                del parent.children[node.edge[0]]
+                node = parent
+                continue
+            if len(node.children) == 1:  # pass-through node: merge into its child
+                (child,) = node.children.values()
+                child.edge = node.edge + child.edge
+                child.parent = parent
+                parent.children[child.edge[0]] = child
+            break
+
+    # -- memory and disk budgets ------------------------------------------------------
+
+    def _touch(self, entry: _Entry) -> None:
+        self._tick += 1
+        entry.last_used = self._tick
+
+    @staticmethod
+    def _eviction_key(entry: _Entry) -> tuple[bool, int]:
+        return (bool(entry.node.children), entry.last_used)
+
+    def _evict_memory(self, keep: _Entry) -> None:
+        while self._bytes > self.max_bytes:
+            candidates = [e for e in self._entries if e.resident and e is not keep]
+            if not candidates:
+                return
+            victim = min(candidates, key=self._eviction_key)
+            if victim.stored is not None or victim.writing:
+                self._bytes -= victim.nbytes
+                victim.snapshot = victim.logits = None  # stays indexed, on disk
+            else:
+                self._remove(victim)
+
+    def _evict_disk(self) -> None:
+        while self._disk_bytes > self.max_disk_bytes:
+            candidates = [e for e in self._entries if e.stored is not None]
+            if not candidates:
+                return
+            victim = min(candidates, key=self._eviction_key)
+            self._drop_file(victim)
+            if not victim.resident:
+                self._remove(victim)
+
+    def _drop_file(self, entry: _Entry) -> None:
+        if entry.stored is not None and self._store is not None:
+            self._store.delete(entry.stored)
+            self._disk_bytes -= entry.stored.nbytes
+            entry.stored = None
+
+    # -- persistence -----------------------------------------------------------------
+
+    def _index_store(self, store: SnapshotStore) -> None:
+        for stored in store.scan():
+            node = self._insert_node(stored.tokens)
+            if node.entry is not None:  # two files for one path: keep one
+                store.delete(stored)
+                continue
+            entry = node.entry = _Entry(node)
+            entry.stored = stored
+            self._entries.add(entry)
+            self._disk_bytes += stored.nbytes
+        self._evict_disk()
+
+    def _load(self, entry: _Entry) -> bool:
+        """Bring a disk-only entry into memory; on any failure forget it and its file."""
+        assert self._store is not None and self._from_arrays is not None
+        stored = entry.stored
+        if stored is None:
+            return False
+        try:
+            loaded = self._store.load(stored)
+            snapshot = self._from_arrays(loaded.state)
+        except SnapshotFileError:
+            self._disk_errors += 1
+            self._disk_bytes -= stored.nbytes
+            entry.stored = None
+            self._remove(entry)
+            return False
+        except Exception as exc:  # the model rejected the arrays (shapes, dtypes)
+            log.warning("prefix cache: snapshot %s rejected by the model: %s", stored.path, exc)
+            self._disk_errors += 1
+            self._drop_file(entry)
+            self._remove(entry)
+            return False
+        entry.snapshot = snapshot
+        entry.logits = np.asarray(loaded.logits, dtype=np.float32)
+        entry.nbytes = int(snapshot.nbytes) + entry.logits.nbytes
+        self._bytes += entry.nbytes
+        self._evict_memory(keep=entry)
+        return True
+
+    def _persist(
+        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any
+    ) -> None:
+        assert self._to_arrays is not None
+        try:
+            arrays = self._to_arrays(snapshot)
+        except Exception as exc:
+            log.warning("prefix cache: snapshot cannot be exported: %s", exc)
+            with self._lock:
+                entry.writing = False
+            return
+        if self._sync_writes:
+            self._write_one(entry, key, row, arrays)
+            return
+        try:
+            self._writes.put_nowait((entry, key, row, arrays))
+        except queue.Full:
+            log.info("prefix cache: disk writer busy; snapshot kept in memory only")
+            with self._lock:
+                entry.writing = False
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            try:
+                if item is None:
+                    return
+                self._write_one(*item)
+            finally:
+                self._writes.task_done()
+
+    def _write_one(
+        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, arrays: Any
+    ) -> None:
+        assert self._store is not None
+        try:
+            stored = self._store.write(key, row, arrays)
+        except Exception as exc:  # disk full, permissions: the cache stays memory-only
+            log.warning("prefix cache: cannot write snapshot: %s", exc)
+            stored = None
+        with self._lock:
+            entry.writing = False
+            if stored is None:
+                if not entry.resident and entry in self._entries:
+                    self._remove(entry)
+                return
+            if entry not in self._entries:  # evicted while being written
+                self._store.delete(stored)
+                return
+            entry.stored = stored
+            self._disk_bytes += stored.nbytes
+            self._evict_disk()
