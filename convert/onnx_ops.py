@@ -45,7 +45,9 @@ class GraphBuilder:
         return out
 
     # -- graph interface -------------------------------------------------------------
-    def input(self, name: str, shape: Sequence[int]) -> str:
+    def input(self, name: str, shape: Sequence[int | str]) -> str:
+        """A float32 graph input; a string dim is symbolic (ONNX twins of multi-shape
+        graphs), rknn-toolkit2 then needs ``dynamic_input``."""
         self._claim(name)
         self._inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape)))
         return name
@@ -113,7 +115,7 @@ class GraphBuilder:
     def linear(self, x: str, weight: np.ndarray, name: str, bias: np.ndarray | None = None
                ) -> str:
         """``x @ weight.T (+ bias)`` with ``weight [out, in]`` (Hugging Face layout)."""
-        w = self.weight(name, np.asarray(weight).T)
+        w = self.weight(name + ".weight", np.asarray(weight).T)
         y = self._node("MatMul", [x, w], "matmul")
         if bias is not None:
             y = self.add(y, self.weight(name + ".bias", bias))
