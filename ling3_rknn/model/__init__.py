@@ -1,0 +1,47 @@
+"""The Ling-3.0 forward pass (hybrid KDA + MLA, MoE), shaped for an NPU to take over.
+
+Three layers of code, so the NPU work can be swapped in without touching the CPU glue:
+
+1. ``stages.py``: pure numpy *stage* functions taking their weights explicitly. Per layer an
+   input stage (RMSNorm + attention input projections; for MLA also the q_a norm, the latent
+   norm and the head gate) and an output stage (output projection + residual + post-attention
+   RMSNorm + the dense FFN, or the shared expert + router logits); plus the final norm +
+   lm_head. They are the references the converter's ONNX graphs are tested against.
+2. CPU glue, which stays on the CPU on the board: ``kda.py`` (short conv + delta-rule
+   recurrence, per-token and chunked), ``mla.py`` (RoPE + absorbed attention over the
+   latent cache), ``moe.py`` (group-limited routing), ``state.py`` (per-sequence state and
+   block-shared snapshots).
+3. ``model.py``: the forward loop. It calls the stages through the ``StageBackend`` seam
+   (``backend.py``; ``NumpyStages`` built from a checkpoint here, an RKNN / onnxruntime
+   executor from a bundle later) and the routed experts through the ``ExpertBackend`` seam
+   (``moe.py``; ``NumpyExperts`` here, the int4 QMoE executor later).
+
+Public API::
+
+    m = Model.from_hf(hf_dir)            # config.json + *.safetensors; lazy loading
+    s = m.new_state()
+    logits = m.forward(token_ids, s)     # float32 [len(token_ids), vocab]; advances s
+    snap = s.snapshot(); s.restore(snap)
+    StateSnapshot.from_arrays(m.config, snap.to_arrays())
+"""
+
+from .backend import NumpyStages, StageBackend
+from .checkpoint import Checkpoint
+from .model import Model
+from .moe import ExpertBackend, NumpyExperts
+from .safetensors_file import CheckpointError
+from .state import SequenceState, SnapshotError, StateError, StateSnapshot
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "ExpertBackend",
+    "Model",
+    "NumpyExperts",
+    "NumpyStages",
+    "SequenceState",
+    "SnapshotError",
+    "StageBackend",
+    "StateError",
+    "StateSnapshot",
+]

@@ -1,0 +1,100 @@
+"""MLA glue that stays on the CPU: RoPE and attention over the cached latent.
+
+Absorbed form: instead of expanding every cached latent into per-head keys and values each
+step (what transformers does), the query is pulled into latent space once,
+q_lat_h = W_kb_h^T q_nope_h, so a score is one 576-wide dot product against the cache row
+[c_kv | k_rope], and the value side is ctx_h = sum_s p_s c_kv_s followed by W_vb_h ctx_h.
+The cache is read directly in the fixed-size blocks it is stored in (see ``state.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+_QUERY_CHUNK = 64  # bounds the [T*H, context] score matrix of a long prefill piece
+
+
+def rope_angles(
+    positions: np.ndarray, rope_dim: int, theta: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [T, rope_dim / 2] for absolute ``positions`` (default RoPE, no scaling)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate adjacent pairs (x_2i, x_2i+1) of ``x`` [T, ..., d_r] and keep the interleaved order.
+
+    transformers writes the rotated pairs de-interleaved; q and k get the same permutation
+    there, so scores are identical and the interleaved order is kept here.
+    """
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * c - odd * s
+    out[..., 1::2] = odd * c + even * s
+    return out
+
+
+def mla_attention(
+    q_nope: np.ndarray,
+    q_rope: np.ndarray,
+    blocks: Sequence[np.ndarray],
+    length: int,
+    w_kb: np.ndarray,
+    w_vb: np.ndarray,
+    scale: float,
+) -> np.ndarray:
+    """Causal attention of the T newest tokens over a cache of ``length`` rows (them included).
+
+    q_nope [T, H, d_n]; q_rope [T, H, d_r] (rotated); ``blocks`` hold cache rows
+    [c_kv (r) | k_rope (d_r)] in order, the last one possibly partly filled; w_kb [H, d_n, r],
+    w_vb [H, d_v, r]. Returns [T, H, d_v].
+    """
+    t_len, h, _ = q_nope.shape
+    r = w_kb.shape[2]
+    q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_kb)  # [H, T, r]
+    q_cat = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2).transpose(1, 0, 2)
+    q_cat = (q_cat * np.float32(scale)).reshape(t_len * h, -1)  # rows: token-major, head-minor
+    ctx = np.empty((t_len * h, r), dtype=np.float32)
+    first_pos = length - t_len
+    for start in range(0, t_len, _QUERY_CHUNK):
+        end = min(start + _QUERY_CHUNK, t_len)
+        rows = slice(start * h, end * h)
+        visible = first_pos + end  # keys 0 .. visible-1 can be seen by this query chunk
+        ctx[rows] = _attend(q_cat[rows], blocks, visible, first_pos + start, h, r)
+    ctx = ctx.reshape(t_len, h, r).transpose(1, 0, 2)  # [H, T, r]
+    return np.matmul(ctx, w_vb.transpose(0, 2, 1)).transpose(1, 0, 2)  # [T, H, d_v]
+
+
+def _attend(
+    q: np.ndarray, blocks: Sequence[np.ndarray], visible: int, first_pos: int, h: int, r: int
+) -> np.ndarray:
+    """Softmax attention of query rows ``q`` [n*h, r+d_r] (positions first_pos..) over
+    the first ``visible`` cache rows, block by block (no copy of the cache)."""
+    scores = np.empty((q.shape[0], visible), dtype=np.float32)
+    spans = []
+    pos = 0
+    for block in blocks:
+        if pos >= visible:
+            break
+        n = min(block.shape[0], visible - pos)
+        np.matmul(q, block[:n].T, out=scores[:, pos : pos + n])
+        spans.append((block, pos, n))
+        pos += n
+    n_queries = q.shape[0] // h
+    if n_queries > 1:  # causal mask inside the new tokens; decode sees everything
+        q_pos = first_pos + np.arange(n_queries).repeat(h)
+        future = np.arange(visible)[None, :] > q_pos[:, None]
+        scores[future] = -np.inf
+    scores -= scores.max(axis=1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=1, keepdims=True)
+    ctx = np.zeros((q.shape[0], r), dtype=np.float32)
+    for block, pos, n in spans:
+        ctx += scores[:, pos : pos + n] @ block[:n, :r]
+    return ctx

@@ -1,0 +1,179 @@
+"""``Model``: the forward loop tying the stage backend, the CPU glue and the sequence state."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from .backend import NumpyStages, StageBackend
+from .checkpoint import Checkpoint
+from .kda import kda_core, prepare_qkv, short_conv
+from .mla import apply_rope, mla_attention, rope_angles
+from .moe import ExpertBackend, NumpyExperts, route
+from .state import SequenceState, StateError
+from .weights import CheckpointWeights
+
+
+@dataclass(frozen=True)
+class CpuWeights:
+    """Weights the CPU glue needs (they never go to the NPU)."""
+
+    conv: dict[int, np.ndarray]  # KDA layer -> [3P, K]
+    absorbed: dict[int, tuple[np.ndarray, np.ndarray]]  # MLA layer -> (W_kb, W_vb)
+    expert_bias: dict[int, np.ndarray]  # MoE layer -> [E]
+
+    @classmethod
+    def from_checkpoint(cls, w: CheckpointWeights) -> CpuWeights:
+        c = w.cfg
+        return cls(
+            conv={i: np.ascontiguousarray(w.kda_conv(i)) for i in c.kda_layers},
+            absorbed={i: w.mla_absorbed(i) for i in c.mla_layers},
+            expert_bias={
+                i: np.array(w.expert_bias(i))
+                for i in range(c.num_hidden_layers)
+                if c.is_moe_layer(i)
+            },
+        )
+
+
+class Model:
+    """Ling-3.0 forward pass. ``forward`` on a whole sequence or on its pieces gives the same
+    logits; the state carries everything between calls."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        stages: StageBackend,
+        experts: ExpertBackend,
+        cpu: CpuWeights,
+    ) -> None:
+        self.config = config
+        self.stages = stages
+        self.experts = experts
+        self.cpu = cpu
+        self._scale = float(config.qk_head_dim) ** -0.5
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike[str]) -> Model:
+        """Load an HF checkpoint directory (config.json + safetensors), float32 numpy stages.
+
+        Dense weights are read (and checked) now; routed experts stay on disk, memory-mapped,
+        and are read when a token is routed to them.
+        """
+        root = Path(path)
+        config = ModelConfig.from_file(root / "config.json")
+        weights = CheckpointWeights(Checkpoint.open(root), config)
+        stages = NumpyStages(weights)
+        stages.load_all()
+        for i in range(config.num_hidden_layers):
+            if config.is_moe_layer(i):
+                weights.check_experts(i)
+        return cls(
+            config, stages, NumpyExperts(weights.expert), CpuWeights.from_checkpoint(weights)
+        )
+
+    def new_state(self) -> SequenceState:
+        return SequenceState(self.config)
+
+    def forward(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        state: SequenceState,
+        *,
+        last_only: bool = False,
+    ) -> np.ndarray:
+        """Float32 logits [T, vocab] for ``token_ids`` (or [1, vocab] with ``last_only``),
+        advancing ``state`` by T tokens. Raises ValueError for empty or out-of-range input
+        before touching the state."""
+        ids = self._check_ids(token_ids)
+        if state.layout.kda_layers != self.config.kda_layers or state.layout.mla_layers != (
+            self.config.mla_layers
+        ):
+            raise ValueError("state belongs to a model with a different layout")
+        state.check_usable()
+        end = state.length + len(ids)
+        if end > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence would reach {end} tokens, beyond max_position_embeddings="
+                f"{self.config.max_position_embeddings}"
+            )
+        state.broken = True  # cleared only when every layer has been advanced
+        x = self.stages.embed(ids)
+        positions = np.arange(state.length, end)
+        for i, kind in enumerate(self.config.layer_kinds):
+            if kind == "kda":
+                out = self._kda_layer(i, x, state)
+            else:
+                out = self._mla_layer(i, x, state, positions)
+            x = out.hidden if out.moe_input is None else self._moe(i, out)
+        state.length = end
+        state.broken = False
+        if last_only:
+            x = x[-1:]
+        return np.ascontiguousarray(self.stages.final(x), dtype=np.float32)
+
+    # ----------------------------------------------------------------- layers
+    def _kda_layer(self, i: int, x: np.ndarray, state: SequenceState):
+        c = self.config
+        inp = self.stages.kda_input(i, x)
+        conv_out, state.conv[i] = short_conv(inp.qkv, state.conv[i], self.cpu.conv[i])
+        q, k, v = prepare_qkv(conv_out, c.num_attention_heads, c.kda_head_dim)
+        core = kda_core(q, k, v, inp.log_decay, inp.beta, state.recurrent[i])
+        return self.stages.kda_output(i, x, core, inp.out_gate)
+
+    def _mla_layer(self, i: int, x: np.ndarray, state: SequenceState, positions: np.ndarray):
+        c = self.config
+        inp = self.stages.mla_input(i, x)
+        cos, sin = rope_angles(positions, c.qk_rope_head_dim, c.rope_theta)
+        q_rope = apply_rope(inp.q[:, :, c.qk_nope_head_dim :], cos, sin)
+        k_rope = apply_rope(inp.k_rope, cos, sin)
+        cache = state.latents[i]
+        cache.append(np.concatenate([inp.latent, k_rope], axis=1))
+        w_kb, w_vb = self.cpu.absorbed[i]
+        attn = mla_attention(
+            inp.q[:, :, : c.qk_nope_head_dim],
+            q_rope,
+            cache.blocks(),
+            cache.length,
+            w_kb,
+            w_vb,
+            self._scale,
+        )
+        return self.stages.mla_output(i, x, attn, inp.gate)
+
+    def _moe(self, i: int, out) -> np.ndarray:
+        c = self.config
+        ids, weights = route(
+            out.router_logits,
+            self.cpu.expert_bias[i],
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            top_k=c.num_experts_per_tok,
+            normalize=c.norm_topk_prob,
+            scaling=c.routed_scaling_factor,
+        )
+        return out.hidden + out.shared + self.experts(i, out.moe_input, ids, weights)
+
+    def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"token_ids must be a flat sequence, got shape {ids.shape}")
+        if ids.size == 0:
+            raise ValueError("token_ids is empty")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            raise ValueError(
+                f"token id {int(ids[bad][0])} is outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
+        return ids.astype(np.int64)
+
+
+__all__ = ["Model", "StateError"]

@@ -1,0 +1,85 @@
+"""MoE glue on the CPU: group-limited sigmoid routing and the routed-expert seam.
+
+Routing (ling3-model.md 3.5): scores = sigmoid(router logits) in float32; the expert bias
+only steers *selection*; keep the ``topk_group`` groups whose two best biased scores sum
+highest; pick the top-k biased scores inside them; weight by the *unbiased* scores,
+renormalised (``norm_topk_prob``) and multiplied by ``routed_scaling_factor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from .stages import sigmoid, swiglu
+
+
+def route(
+    router_logits: np.ndarray,
+    expert_bias: np.ndarray,
+    *,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (expert ids [T, k] int64, weights [T, k] float32) for router logits [T, E]."""
+    t, e = router_logits.shape
+    scores = sigmoid(router_logits.astype(np.float32, copy=False))
+    choice = scores + expert_bias
+    if topk_group < n_group:
+        grouped = choice.reshape(t, n_group, e // n_group)
+        top2 = np.partition(grouped, -2, axis=2)[:, :, -2:].sum(axis=2)  # [T, G]
+        dropped = np.argpartition(top2, n_group - topk_group - 1, axis=1)[:, : n_group - topk_group]
+        mask = np.zeros((t, n_group), dtype=bool)
+        np.put_along_axis(mask, dropped, True, axis=1)
+        choice = np.where(np.repeat(mask, e // n_group, axis=1), -np.inf, choice)
+    ids = np.argpartition(choice, e - top_k, axis=1)[:, e - top_k :]
+    weights = np.take_along_axis(scores, ids, axis=1)
+    if normalize:
+        weights = weights / (weights.sum(axis=1, keepdims=True) + 1e-20)
+    return ids.astype(np.int64), (weights * np.float32(scaling)).astype(np.float32)
+
+
+class ExpertBackend(Protocol):
+    """Routed experts of one MoE layer: sum_k w[t, k] * FFN_{ids[t, k]}(x[t]) -> [T, D].
+
+    The numpy float implementation is below; the int4 QMoE executor (npu package) plugs in here.
+    """
+
+    def __call__(
+        self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray
+    ) -> np.ndarray: ...
+
+
+ExpertLoader = Callable[[int, int], tuple[np.ndarray, np.ndarray]]
+
+
+class NumpyExperts:
+    """Float experts read on demand: ``load(layer, e) -> (gate_up [2I, D], down [D, I])``.
+
+    Loops over the *distinct experts hit* (at most k per decode step), one GEMM pair each,
+    like transformers. A stacked, fully vectorised form would first copy k expert matrices
+    per token; here the weights stay where they are (memory-mapped when stored as float32).
+    """
+
+    def __init__(self, load: ExpertLoader) -> None:
+        self._load = load
+
+    def __call__(
+        self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray
+    ) -> np.ndarray:
+        out = np.zeros_like(x)
+        if x.shape[0] == 1:
+            for e, w in zip(ids[0].tolist(), weights[0].tolist(), strict=True):
+                gate_up, down = self._load(layer, e)
+                out += np.float32(w) * swiglu(x, gate_up, down)
+            return out
+        for e in np.unique(ids).tolist():
+            tok, slot = np.nonzero(ids == e)
+            gate_up, down = self._load(layer, e)
+            out[tok] += weights[tok, slot][:, None] * swiglu(x[tok], gate_up, down)
+        return out

@@ -1,0 +1,248 @@
+"""Per-sequence state and cheap snapshots of it.
+
+A sequence carries, per KDA layer, the recurrent state [H, d, d] and the conv tail (last K-1
+pre-conv inputs, [K-1, 3P]); per MLA layer, the latent cache (one row [c_kv | k_rope] per
+token). A KDA state cannot be rewound, so the prefix cache keeps snapshots at exact positions.
+
+The latent cache grows without bound, so it is stored in fixed-size blocks: once a block is
+full it is frozen (read-only) and shared by every snapshot and every state restored from
+one; only the partly filled last block is copied. Appending after a restore writes into a
+fresh block, never into one another snapshot references, so branches cannot disturb each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ModelConfig
+
+BLOCK_TOKENS = 256
+
+
+class SnapshotError(ValueError):
+    """Snapshot arrays (e.g. from a disk cache) do not fit this model, or a snapshot is from
+    another model."""
+
+
+class StateError(RuntimeError):
+    """The state was left inconsistent by a failed forward; restore a snapshot or start anew."""
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Shapes that make two states interchangeable; derived from the model config."""
+
+    kda_layers: tuple[int, ...]
+    mla_layers: tuple[int, ...]
+    conv_shape: tuple[int, int]
+    recurrent_shape: tuple[int, int, int]
+    latent_width: int
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> StateLayout:
+        h, d = config.num_attention_heads, config.kda_head_dim
+        return cls(
+            kda_layers=config.kda_layers,
+            mla_layers=config.mla_layers,
+            conv_shape=(config.short_conv_kernel_size - 1, 3 * h * d),
+            recurrent_shape=(h, d, d),
+            latent_width=config.latent_dim,
+        )
+
+
+class LatentCache:
+    """Append-only rows of one MLA layer in frozen shared blocks plus one private tail block."""
+
+    def __init__(
+        self,
+        width: int,
+        frozen: tuple[np.ndarray, ...] = (),
+        partial: np.ndarray | None = None,
+    ) -> None:
+        self.width = width
+        self._frozen = frozen
+        self._tail = np.empty((BLOCK_TOKENS, width), dtype=np.float32)
+        self._tail_len = 0
+        if partial is not None and len(partial):
+            self._tail[: len(partial)] = partial
+            self._tail_len = len(partial)
+
+    @property
+    def length(self) -> int:
+        return len(self._frozen) * BLOCK_TOKENS + self._tail_len
+
+    def append(self, rows: np.ndarray) -> None:
+        start = 0
+        while start < len(rows):
+            n = min(BLOCK_TOKENS - self._tail_len, len(rows) - start)
+            self._tail[self._tail_len : self._tail_len + n] = rows[start : start + n]
+            self._tail_len += n
+            start += n
+            if self._tail_len == BLOCK_TOKENS:
+                self._tail.setflags(write=False)
+                self._frozen = (*self._frozen, self._tail)
+                self._tail = np.empty((BLOCK_TOKENS, self.width), dtype=np.float32)
+                self._tail_len = 0
+
+    def blocks(self) -> list[np.ndarray]:
+        """The cache rows in order, as views (the last one only as long as it is filled)."""
+        if self._tail_len:
+            return [*self._frozen, self._tail[: self._tail_len]]
+        return list(self._frozen)
+
+    def snapshot(self) -> LatentSnapshot:
+        partial = self._tail[: self._tail_len].copy()
+        partial.setflags(write=False)
+        return LatentSnapshot(self._frozen, partial)
+
+
+@dataclass(frozen=True)
+class LatentSnapshot:
+    frozen: tuple[np.ndarray, ...]
+    partial: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return len(self.frozen) * BLOCK_TOKENS + len(self.partial)
+
+    def rows(self) -> np.ndarray:
+        return np.concatenate([*self.frozen, self.partial], axis=0)
+
+
+class StateSnapshot:
+    """An immutable copy of a ``SequenceState`` at ``length`` tokens.
+
+    ``nbytes`` counts every byte the snapshot references (including latent blocks it may share
+    with other snapshots: an upper bound for a cache budget); ``private_nbytes`` only what it
+    copied for itself (KDA states, conv tails, the partial latent block).
+    """
+
+    def __init__(
+        self,
+        layout: StateLayout,
+        length: int,
+        conv: Mapping[int, np.ndarray],
+        recurrent: Mapping[int, np.ndarray],
+        latents: Mapping[int, LatentSnapshot],
+    ) -> None:
+        self.layout = layout
+        self.length = length
+        self._conv = dict(conv)
+        self._recurrent = dict(recurrent)
+        self._latents = dict(latents)
+        for a in (*self._conv.values(), *self._recurrent.values()):
+            a.setflags(write=False)
+
+    @property
+    def private_nbytes(self) -> int:
+        own = sum(a.nbytes for a in (*self._conv.values(), *self._recurrent.values()))
+        return own + sum(s.partial.nbytes for s in self._latents.values())
+
+    @property
+    def nbytes(self) -> int:
+        shared = sum(b.nbytes for s in self._latents.values() for b in s.frozen)
+        return self.private_nbytes + shared
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Flat arrays for persistence (``np.savez``); ``from_arrays`` reads them back."""
+        arrays: dict[str, np.ndarray] = {"length": np.array(self.length, dtype=np.int64)}
+        for i in self.layout.kda_layers:
+            arrays[f"kda.{i}.conv"] = np.array(self._conv[i])
+            arrays[f"kda.{i}.recurrent"] = np.array(self._recurrent[i])
+        for i in self.layout.mla_layers:
+            arrays[f"mla.{i}.latent"] = self._latents[i].rows()
+        return arrays
+
+    @classmethod
+    def from_arrays(cls, config: ModelConfig, arrays: Mapping[str, np.ndarray]) -> StateSnapshot:
+        """Validate untrusted arrays (keys, shapes, dtypes, finiteness) and rebuild a snapshot."""
+        layout = StateLayout.from_config(config)
+        expected: dict[str, tuple[int, ...] | None] = {"length": ()}
+        for i in layout.kda_layers:
+            expected[f"kda.{i}.conv"] = layout.conv_shape
+            expected[f"kda.{i}.recurrent"] = layout.recurrent_shape
+        for i in layout.mla_layers:
+            expected[f"mla.{i}.latent"] = None  # [length, width], checked below
+        missing = sorted(set(expected) - set(arrays))
+        extra = sorted(set(arrays) - set(expected))
+        if missing or extra:
+            raise SnapshotError(
+                f"snapshot keys do not match this model: missing {missing}, unexpected {extra}"
+            )
+        length_arr = np.asarray(arrays["length"])
+        if length_arr.shape != () or length_arr.dtype.kind not in "iu" or int(length_arr) < 0:
+            raise SnapshotError("snapshot 'length' must be a non-negative integer scalar")
+        length = int(length_arr)
+        if length > config.max_position_embeddings:
+            raise SnapshotError(f"snapshot length {length} exceeds max_position_embeddings")
+        for key, shape in expected.items():
+            if key == "length":
+                continue
+            a = np.asarray(arrays[key])
+            want = shape if shape is not None else (length, layout.latent_width)
+            if a.dtype != np.float32 or a.shape != want:
+                raise SnapshotError(
+                    f"snapshot array {key!r}: expected float32 {list(want)}, "
+                    f"got {a.dtype} {list(a.shape)}"
+                )
+            if not np.isfinite(a).all():
+                raise SnapshotError(f"snapshot array {key!r} contains NaN or infinity")
+        conv = {i: np.array(arrays[f"kda.{i}.conv"]) for i in layout.kda_layers}
+        recurrent = {i: np.array(arrays[f"kda.{i}.recurrent"]) for i in layout.kda_layers}
+        latents = {}
+        for i in layout.mla_layers:
+            cache = LatentCache(layout.latent_width)
+            cache.append(np.asarray(arrays[f"mla.{i}.latent"]))
+            latents[i] = cache.snapshot()
+        return cls(layout, length, conv, recurrent, latents)
+
+
+class SequenceState:
+    """Mutable state of one sequence; ``Model.forward`` advances it."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.layout = StateLayout.from_config(config)
+        self.length = 0
+        self.conv = {
+            i: np.zeros(self.layout.conv_shape, np.float32) for i in self.layout.kda_layers
+        }
+        self.recurrent = {
+            i: np.zeros(self.layout.recurrent_shape, np.float32) for i in self.layout.kda_layers
+        }
+        self.latents = {i: LatentCache(self.layout.latent_width) for i in self.layout.mla_layers}
+        self.broken = False
+
+    def snapshot(self) -> StateSnapshot:
+        self.check_usable()
+        return StateSnapshot(
+            self.layout,
+            self.length,
+            {i: a.copy() for i, a in self.conv.items()},
+            {i: a.copy() for i, a in self.recurrent.items()},
+            {i: c.snapshot() for i, c in self.latents.items()},
+        )
+
+    def restore(self, snapshot: StateSnapshot) -> None:
+        """Continue exactly where ``snapshot`` was taken; the snapshot stays untouched."""
+        if not isinstance(snapshot, StateSnapshot):
+            raise TypeError(f"expected a StateSnapshot, got {type(snapshot).__name__}")
+        if snapshot.layout != self.layout:
+            raise SnapshotError("snapshot was taken from a model with a different layout")
+        for i in self.layout.kda_layers:
+            self.conv[i] = np.array(snapshot._conv[i])
+            self.recurrent[i] = np.array(snapshot._recurrent[i])
+        for i in self.layout.mla_layers:
+            s = snapshot._latents[i]
+            self.latents[i] = LatentCache(self.layout.latent_width, s.frozen, s.partial)
+        self.length = snapshot.length
+        self.broken = False
+
+    def check_usable(self) -> None:
+        if self.broken:
+            raise StateError(
+                "this state was left half-updated by a failed forward; restore a snapshot "
+                "or use a new state"
+            )
