@@ -79,6 +79,8 @@ _CONFIG = web.AppKey("config", AppConfig)
 _METRICS = web.AppKey("metrics", ServerMetrics)
 _RUNNING = web.AppKey("running", set)
 _STATE = web.AppKey("state", dict)
+# Typed request storage where this aiohttp has it (3.12+); a plain key on older ones.
+_RID: Any = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
 
 
 def _request_id(request: web.Request) -> str:
@@ -107,7 +109,7 @@ def _route_label(request: web.Request) -> str:
 async def _envelope(request: web.Request, handler: Callable) -> web.StreamResponse:
     """Request id, auth, OpenAI error bodies, access log and HTTP metrics for every route."""
     request_id = _request_id(request)
-    request["request_id"] = request_id
+    request[_RID] = request_id
     started = time.monotonic()
     metrics = request.app[_METRICS]
     response: web.StreamResponse | None = None
@@ -231,7 +233,7 @@ async def _whole(request: web.Request, completion: Completion, model: str) -> we
     body = message.body(
         new_completion_id(), model, int(time.time()), done.finish_reason, done.usage
     )
-    return web.json_response(body, headers={"X-Request-Id": request["request_id"]})
+    return web.json_response(body, headers={"X-Request-Id": request[_RID]})
 
 
 async def _stream(request: web.Request, completion: Completion, model: str) -> web.StreamResponse:
@@ -244,7 +246,7 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
         await asyncio.wait({first}, timeout=config.header_wait_s)
         if first.done():
             first.result()  # the engine's up-front refusals become plain HTTP errors
-        response = web.StreamResponse(headers=SseWriter.headers(request["request_id"]))
+        response = web.StreamResponse(headers=SseWriter.headers(request[_RID]))
         await response.prepare(request)
         writer = SseWriter(response, config.keep_alive_s)
         writer.start_keep_alive()
@@ -264,8 +266,8 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             metrics.disconnects.inc()
             return response
         except Exception:
-            log.exception("stream %s failed", request["request_id"])
-            await writer.send(errors.internal(request["request_id"]).body())
+            log.exception("stream %s failed", request[_RID])
+            await writer.send(errors.internal(request[_RID]).body())
         finally:
             await writer.stop_keep_alive()
         with contextlib.suppress(ConnectionError):
@@ -384,7 +386,7 @@ async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[i
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, shutdown_timeout=app[_CONFIG].shutdown_timeout_s)
+        site = web.TCPSite(runner, host, port)
         await site.start()
         bound = runner.addresses[0][1]
         yield bound

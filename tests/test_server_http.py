@@ -1,0 +1,563 @@
+"""Raw-HTTP tests of the running server: every error path, the strict key check, the SSE
+chunk rules of serving-protocol.md 3.3, disconnects, keep-alive, metrics and shutdown.
+
+The engine is the scripted double (``scripted_engine.py``); rendering and parsing are the
+real ``ling3_rknn.chat`` code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from scripted_engine import ScriptedEngine
+from server_harness import chat_body, parse_sse, running_server
+
+from ling3_rknn.server import AppConfig
+
+
+@pytest.fixture
+def engine() -> ScriptedEngine:
+    return ScriptedEngine()
+
+
+async def post(session: aiohttp.ClientSession, url: str, payload, **kwargs):
+    data = payload if isinstance(payload, bytes | str) else json.dumps(payload)
+    async with session.post(url, data=data, **kwargs) as response:
+        return response.status, dict(response.headers), await response.text()
+
+
+def error_of(text: str) -> dict:
+    body = json.loads(text)
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+# ---- success shapes ----------------------------------------------------------------------
+
+
+async def test_non_stream_shape_and_usage(engine):
+    engine.push("Hel", "lo", cached_tokens=3)
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, headers, text = await post(s, srv.v1 + "/chat/completions", chat_body())
+    assert status == 200
+    assert headers["X-Request-Id"]
+    body = json.loads(text)
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    assert isinstance(body["created"], int)
+    assert body["model"] == "ling-3.0-tiny"
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"] == {"role": "assistant", "content": "Hello"}
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 2
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 2
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 3}
+
+
+async def test_stream_chunk_rules(engine):
+    engine.push("Hel", "lo", " there", cached_tokens=2)
+    payload = chat_body(stream=True, stream_options={"include_usage": True})
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, headers, text = await post(s, srv.v1 + "/chat/completions", payload)
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/event-stream")
+    events, _ = parse_sse(text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({(c["id"], c["created"], c["model"]) for c in chunks}) == 1
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    first, *middle, finish, usage = chunks
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    for chunk in middle:
+        delta = chunk["choices"][0]["delta"]
+        assert "role" not in delta
+        assert delta.get("content") != "" and delta.get("reasoning_content") != ""
+        assert chunk["choices"][0]["finish_reason"] is None
+        assert chunk["usage"] is None
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in middle) == "Hello there"
+    assert finish["choices"][0]["delta"] == {}
+    assert finish["choices"][0]["finish_reason"] == "stop"
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 3
+    assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+
+
+async def test_stream_without_include_usage_has_no_usage(engine):
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        _, _, text = await post(s, srv.v1 + "/chat/completions", chat_body(stream=True))
+    events, _ = parse_sse(text)
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in chunk for chunk in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_route_without_v1_prefix_and_request_id_echo(engine):
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, headers, _ = await post(
+            s, srv.base + "/chat/completions", chat_body(), headers={"X-Request-Id": "abc-123"}
+        )
+    assert status == 200
+    assert headers["X-Request-Id"] == "abc-123"
+
+
+async def test_request_reaches_engine_with_sampling_stops_and_thinking(engine):
+    payload = chat_body(
+        temperature=0.3,
+        top_p=0.9,
+        seed=11,
+        max_tokens=17,
+        stop="STOP",
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, _ = await post(s, srv.v1 + "/chat/completions", payload)
+    assert status == 200
+    (request,) = engine.requests
+    assert request.max_tokens == 17
+    assert request.sampling.temperature == 0.3 and request.sampling.seed == 11
+    assert set(request.stop) == {"STOP", "<|role_end|>"}
+    prompt = "".join(segment.text for segment in request.prompt)
+    assert prompt.endswith("<role>ASSISTANT</role>\n<think></think>")
+    assert "<role>HUMAN</role>hi<|role_end|>" in prompt
+
+
+async def test_models_and_health(engine):
+    config = AppConfig(model_aliases=("gpt-4o",))
+    async with running_server(engine, config) as srv, aiohttp.ClientSession() as s:
+        async with s.get(srv.v1 + "/models") as r:
+            models = await r.json()
+        async with s.get(srv.v1 + "/models/gpt-4o") as r:
+            one = await r.json()
+        async with s.get(srv.v1 + "/models/nope") as r:
+            missing = r.status, error_of(await r.text())
+        async with s.get(srv.base + "/health") as r:
+            health = r.status, await r.json()
+        status, _, _ = await post(
+            s, srv.v1 + "/chat/completions", {**chat_body(), "model": "gpt-4o"}
+        )
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["ling-3.0-tiny", "gpt-4o"]
+    assert models["data"][0]["object"] == "model"
+    assert models["data"][0]["max_model_len"] == engine.max_context
+    assert one["id"] == "gpt-4o"
+    assert missing[0] == 404 and missing[1]["code"] == "model_not_found"
+    assert health == (200, {"status": "ok", "model": "ling-3.0-tiny"})
+    assert status == 200
+
+
+# ---- error paths -------------------------------------------------------------------------
+
+
+async def test_health_is_503_while_loading_then_200():
+    release = threading.Event()
+    engine = ScriptedEngine()
+
+    def slow_loader():
+        release.wait(10)
+        return engine
+
+    async with running_server(loader=slow_loader) as srv, aiohttp.ClientSession() as s:
+        async with s.get(srv.base + "/health") as r:
+            assert r.status == 503
+            assert (await r.json())["status"] == "loading"
+        status, headers, text = await post(s, srv.v1 + "/chat/completions", chat_body())
+        assert status == 503
+        assert error_of(text)["code"] == "model_loading"
+        assert headers["Retry-After"]
+        async with s.get(srv.v1 + "/models") as r:
+            assert r.status == 503
+        release.set()
+        for _ in range(200):
+            async with s.get(srv.base + "/health") as r:
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.02)
+        assert r.status == 200
+        status, _, _ = await post(s, srv.v1 + "/chat/completions", chat_body())
+        assert status == 200
+
+
+async def test_health_reports_a_failed_load():
+    def broken_loader():
+        raise FileNotFoundError("bundle/manifest.json")
+
+    async with running_server(loader=broken_loader) as srv, aiohttp.ClientSession() as s:
+        for _ in range(200):
+            async with s.get(srv.base + "/health") as r:
+                body = await r.json()
+            if body["status"] != "loading":
+                break
+            await asyncio.sleep(0.02)
+    assert r.status == 503
+    assert body["status"] == "error"
+    assert "manifest.json" in body["error"]
+
+
+async def test_api_key(engine):
+    config = AppConfig(api_key="s3cret")
+    async with running_server(engine, config) as srv, aiohttp.ClientSession() as s:
+        url = srv.v1 + "/chat/completions"
+        missing = await post(s, url, chat_body())
+        wrong = await post(s, url, chat_body(), headers={"Authorization": "Bearer nope"})
+        basic = await post(s, url, chat_body(), headers={"Authorization": "Basic s3cret"})
+        good = await post(s, url, chat_body(), headers={"Authorization": "Bearer s3cret"})
+        async with s.get(srv.v1 + "/models") as r:
+            models_status = r.status
+        async with s.get(srv.base + "/metrics") as r:
+            metrics_status = r.status
+        async with s.get(srv.base + "/health") as r:
+            health_status = r.status
+    for status, headers, text in (missing, wrong, basic):
+        assert status == 401
+        assert headers["WWW-Authenticate"] == "Bearer"
+        error = error_of(text)
+        assert error["type"] == "authentication_error"
+        assert "s3cret" not in text
+    assert good[0] == 200
+    assert models_status == 401 and metrics_status == 401
+    assert health_status == 200  # probes need no key
+    assert engine.started == 1
+
+
+async def test_unknown_route_and_method(engine):
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        async with s.get(srv.v1 + "/nope") as r:
+            not_found = r.status, await r.text()
+        async with s.get(srv.v1 + "/chat/completions") as r:
+            wrong_method = r.status, await r.text()
+    assert not_found[0] == 404
+    assert error_of(not_found[1])["code"] == "unknown_route"
+    assert wrong_method[0] == 405
+    assert error_of(wrong_method[1])["code"] == "method_not_allowed"
+
+
+async def test_unknown_model_is_404(engine):
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", {**chat_body(), "model": "x"})
+    assert status == 404
+    error = error_of(text)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert engine.requests == []
+
+
+async def test_body_too_large_is_413(engine):
+    config = AppConfig(max_body_bytes=2048)
+    async with running_server(engine, config) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body("x" * 4096))
+    assert status == 413
+    assert error_of(text)["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b"", "not valid JSON"),
+    ],
+)
+async def test_malformed_bodies_are_400(engine, raw, fragment):
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", raw)
+    assert status == 400
+    error = error_of(text)
+    assert error["type"] == "invalid_request_error"
+    assert fragment in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"verbosity": "low"}, "verbosity"),
+        (
+            {"stream_options": {"include_usage": True, "continuous": True}},
+            "stream_options.continuous",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "cache_control": {}}]},
+            "messages[0].cache_control",
+        ),
+    ],
+)
+async def test_strict_key_check_over_http(engine, extra, param):
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", {**chat_body(), **extra})
+    assert status == 400
+    error = error_of(text)
+    assert error["param"] == param
+    assert param in error["message"]
+    assert engine.requests == []
+
+
+async def test_accepted_and_ignored_keys_over_http(engine):
+    payload = chat_body(
+        store=False,
+        metadata={"k": "v"},
+        user="me",
+        stream_options=None,
+        parallel_tool_calls=True,
+        reasoning_effort="low",
+        max_completion_tokens=64,
+        logprobs=False,
+        response_format={"type": "text"},
+        chat_template_kwargs={"enable_thinking": True, "preserve_thinking": True},
+    )
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", payload)
+    assert status == 200, text
+
+
+async def test_unsupported_tool_choice_is_400(engine):
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(
+            s, srv.v1 + "/chat/completions", chat_body(tools=[tool], tool_choice="required")
+        )
+    assert status == 400
+    assert error_of(text)["param"] == "tool_choice"
+
+
+async def test_bad_history_is_400_from_the_renderer(engine):
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "tool", "tool_call_id": "x", "content": "r"},
+    ]
+    payload = {**chat_body(), "messages": messages}
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", payload)
+    # Either the renderer accepts a tool result without a preceding call, or it names the field.
+    if status != 200:
+        assert status == 400
+        assert error_of(text)["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_context_length_exceeded(stream):
+    engine = ScriptedEngine(max_context=16)
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(
+            s, srv.v1 + "/chat/completions", chat_body("word " * 100, stream=stream)
+        )
+    assert status == 400
+    error = error_of(text)
+    assert error["code"] == "context_length_exceeded"
+    assert "maximum context length is 16 tokens" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_busy_is_503_with_retry_after(engine, stream):
+    engine.push("x", fail="busy")
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, headers, text = await post(
+            s, srv.v1 + "/chat/completions", chat_body(stream=stream)
+        )
+    assert status == 503
+    assert int(headers["Retry-After"]) >= 1
+    assert error_of(text)["code"] == "server_busy"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_internal_error_is_500_without_details(engine, stream):
+    engine.push("x", fail="crash_before")
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, headers, text = await post(
+            s, srv.v1 + "/chat/completions", chat_body(stream=stream)
+        )
+        after = await post(s, srv.v1 + "/chat/completions", chat_body())
+    assert status == 500
+    error = error_of(text)
+    assert error["type"] == "server_error"
+    assert "secret" not in text and "Traceback" not in text and "engine.py" not in text
+    assert headers["X-Request-Id"] in error["message"]
+    assert after[0] == 200
+
+
+async def test_engine_failure_mid_stream_is_an_error_event(engine):
+    engine.push("a", "b", "c", "d", fail="failure_mid")
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body(stream=True))
+        whole = await post(s, srv.v1 + "/chat/completions", chat_body())
+    assert status == 200
+    events, _ = parse_sse(text)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "error" in events[-1]
+    assert events[-1]["error"]["type"] == "server_error"
+    assert "NPU timeout" in events[-1]["error"]["message"]
+    assert "[DONE]" not in events
+    assert whole[0] == 200  # the next request is served
+
+
+async def test_engine_failure_non_stream_is_500(engine):
+    engine.push("a", "b", "c", "d", fail="failure_mid")
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body())
+    assert status == 500
+    assert error_of(text)["code"] == "engine_failure"
+
+
+# ---- cancellation, keep-alive, shutdown ---------------------------------------------------
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_disconnect_mid_stream_cancels_generation(engine):
+    engine.push(*["tok "] * 500, piece_delay_s=0.01)
+    async with running_server(engine) as srv:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(srv.v1 + "/chat/completions", json=chat_body(stream=True)) as r,
+        ):
+            assert r.status == 200
+            seen = 0
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    seen += 1
+                if seen >= 5:
+                    break
+        # the session is closed: the connection is gone
+        await wait_for(lambda: engine.cancelled == 1)
+        assert engine.completed == 0
+        async with aiohttp.ClientSession() as s:
+            status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body())
+        assert status == 200
+        assert json.loads(text)["choices"][0]["message"]["content"] == "Hello world!"
+        async with aiohttp.ClientSession() as s, s.get(srv.base + "/metrics") as r:
+            metrics = await r.text()
+    assert "ling3_client_disconnects_total 1.0" in metrics
+
+
+async def test_disconnect_during_prefill_cancels_generation(engine):
+    engine.push("late", prefill_delay_s=30)
+    config = AppConfig(header_wait_s=0.05, keep_alive_s=0.05)
+    async with running_server(engine, config) as srv:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(srv.v1 + "/chat/completions", json=chat_body(stream=True)) as r,
+        ):
+            assert r.status == 200
+            await r.content.readline()
+        await wait_for(lambda: engine.cancelled == 1)
+        async with aiohttp.ClientSession() as s:
+            status, _, _ = await post(s, srv.v1 + "/chat/completions", chat_body())
+        assert status == 200
+
+
+async def test_non_stream_disconnect_cancels_generation(engine):
+    engine.push("never", prefill_delay_s=30)
+    async with running_server(engine) as srv:
+        with pytest.raises(asyncio.TimeoutError):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as s:
+                await post(s, srv.v1 + "/chat/completions", chat_body())
+        await wait_for(lambda: engine.cancelled == 1)
+
+
+async def test_keep_alive_comments_during_long_prefill(engine):
+    engine.push("done", prefill_delay_s=0.5)
+    config = AppConfig(header_wait_s=0.05, keep_alive_s=0.1)
+    async with running_server(engine, config) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body(stream=True))
+    assert status == 200
+    events, comments = parse_sse(text)
+    assert len(comments) >= 2
+    assert set(comments) == {": keep-alive"}
+    assert events[-1] == "[DONE]"
+    assert events[1]["choices"][0]["delta"] == {"content": "done"}
+
+
+async def test_context_error_after_headers_is_an_error_event():
+    """A refusal that arrives after the headers went out (slow engine) is an error event
+    with the same code, which opencode maps to its compaction path."""
+
+    class SlowRefusal(ScriptedEngine):
+        async def generate(self, request):
+            await asyncio.sleep(0.3)
+            async for event in super().generate(request):
+                yield event
+
+    engine = SlowRefusal(max_context=16)
+    config = AppConfig(header_wait_s=0.05, keep_alive_s=0.1)
+    async with running_server(engine, config) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(
+            s, srv.v1 + "/chat/completions", chat_body("word " * 100, stream=True)
+        )
+    assert status == 200
+    events, _ = parse_sse(text)
+    assert events[-1]["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length is 16 tokens" in events[-1]["error"]["message"]
+
+
+async def test_shutdown_cancels_running_generations(engine):
+    engine.push("a", fail="hang")
+    chunks: list[bytes] = []
+    async with aiohttp.ClientSession() as s:
+        async with running_server(engine, AppConfig(shutdown_timeout_s=2)) as srv:
+            response = await s.post(srv.v1 + "/chat/completions", json=chat_body(stream=True))
+            assert response.status == 200
+            await wait_for(lambda: engine.started == 1)
+            await asyncio.sleep(0.05)
+        async for line in response.content:
+            chunks.append(line)
+        response.release()
+    text = b"".join(chunks).decode()
+    assert '"code": "shutdown"' in text
+    assert engine.cancelled == 1
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+
+async def test_metrics_are_prometheus_text(engine):
+    engine.push("a", "b", cached_tokens=5)
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        await post(s, srv.v1 + "/chat/completions", chat_body())
+        await post(s, srv.v1 + "/chat/completions", chat_body(stream=True))
+        await post(s, srv.v1 + "/chat/completions", {"bad": 1})
+        async with s.get(srv.base + "/metrics") as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = await r.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
+    route = "/v1/chat/completions"
+    assert samples[("ling3_http_requests_total", (("route", route), ("status", "200")))] == 2
+    assert samples[("ling3_http_requests_total", (("route", route), ("status", "400")))] == 1
+    stats = engine.stats()
+    assert samples[("ling3_prompt_tokens_total", ())] == stats.prompt_tokens
+    assert samples[("ling3_completion_tokens_total", ())] == stats.completion_tokens
+    assert samples[("ling3_prefix_cache_hits_total", ())] == 1
+    assert samples[("ling3_prefix_cache_reused_tokens_total", ())] == 5
+    assert samples[("ling3_prefill_tokens_per_second", ())] == pytest.approx(
+        stats.prefill_tokens / stats.prefill_seconds
+    )
+    assert samples[("ling3_decode_tokens_per_second", ())] == pytest.approx(
+        stats.decode_tokens / stats.decode_seconds
+    )
+    assert samples[("ling3_queue_depth", ())] == 0
+    assert samples[("ling3_npu_errors_total", ())] == 0
+    assert samples[("ling3_model_ready", ())] == 1
+    assert samples[("ling3_requests_in_flight", ())] == 0
+    assert (
+        samples[("ling3_chat_completions_total", (("finish_reason", "stop"), ("stream", "true")))]
+        == 1
+    )
+    assert samples[("ling3_time_to_first_token_seconds_count", ())] == 2
