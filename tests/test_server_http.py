@@ -28,7 +28,7 @@ def engine() -> ScriptedEngine:
 async def post(session: aiohttp.ClientSession, url: str, payload, **kwargs):
     data = payload if isinstance(payload, bytes | str) else json.dumps(payload)
     async with session.post(url, data=data, **kwargs) as response:
-        return response.status, dict(response.headers), await response.text()
+        return response.status, response.headers.copy(), await response.text()
 
 
 def error_of(text: str) -> dict:

@@ -258,10 +258,12 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
         except EngineFailure as exc:
             await writer.send(_engine_failure(exc).body())
         except asyncio.CancelledError:
-            if app[_STATE].get("stopping"):
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(writer.send(_shutdown_error().body()), 1.0)
-            raise
+            if not app[_STATE].get("stopping"):
+                raise
+            # Our own shutdown cancelled the generation: tell the client and end the stream
+            # cleanly instead of cutting the connection.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.send(_shutdown_error().body()), 1.0)
         except ConnectionError:
             metrics.disconnects.inc()
             return response
