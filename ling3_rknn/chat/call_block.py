@@ -1,0 +1,102 @@
+"""Structural matcher for one ``<tool_call>`` block, usable on a growing prefix.
+
+Grammar (serving-protocol.md 1.2/1.5, llama.cpp's Ling 3 parser), after ``<tool_call>``:
+``ws? NAME ws? ( <arg_key>KEY</arg_key> ws? <arg_value>VALUE</arg_value> ws? )* </tool_call>``.
+NAME must be a declared tool; every required parameter must appear, in any order; a value
+runs to the first ``</arg_value>``, so any other marker-like text inside it survives.
+The answer for a prefix is monotone: once INVALID or a match, more text never changes it,
+which is what keeps the streaming parser split-invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from .parsed import ToolCall
+from .tool_schema import ToolSpec, coerce_value
+
+OPEN: Final = "<tool_call>"
+CLOSE: Final = "</tool_call>"
+KEY_OPEN: Final = "<arg_key>"
+KEY_CLOSE: Final = "</arg_key>"
+VALUE_OPEN: Final = "<arg_value>"
+VALUE_CLOSE: Final = "</arg_value>"
+
+
+class _Verdict:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+NEED_MORE: Final = _Verdict("NEED_MORE")
+INVALID: Final = _Verdict("INVALID")
+
+
+@dataclass(frozen=True)
+class CallMatch:
+    call: ToolCall
+    end: int  # characters consumed after the opening <tool_call>
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    n = len(text)
+    while pos < n and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _name_end(text: str, pos: int) -> int:
+    n = len(text)
+    while pos < n and not text[pos].isspace() and text[pos] != "<":
+        pos += 1
+    return pos
+
+
+def match_call(text: str, tools: dict[str, ToolSpec], final: bool) -> CallMatch | _Verdict:
+    """Match ``text`` (what follows ``<tool_call>``) against the call grammar."""
+    pending = INVALID if final else NEED_MORE
+    pos = _skip_ws(text, 0)
+    if pos == len(text):
+        return pending
+    end = _name_end(text, pos)
+    if end == len(text):
+        partial = text[pos:]
+        viable = any(name.startswith(partial) for name in tools)
+        return pending if viable else INVALID
+    spec = tools.get(text[pos:end])
+    if spec is None:
+        return INVALID
+    args: dict = {}
+    pos = _skip_ws(text, end)
+    while True:
+        if text.startswith(CLOSE, pos):
+            if any(r not in args for r in spec.required):
+                return INVALID
+            return CallMatch(ToolCall(spec.name, args), pos + len(CLOSE))
+        if text.startswith(KEY_OPEN, pos):
+            start = pos + len(KEY_OPEN)
+            close = text.find(KEY_CLOSE, start)
+            if close < 0:
+                return pending
+            key = text[start:close]
+            if not key or "<" in key or key in args:
+                return INVALID
+            pos = _skip_ws(text, close + len(KEY_CLOSE))
+            if not text.startswith(VALUE_OPEN, pos):
+                tail = text[pos:]
+                return pending if VALUE_OPEN.startswith(tail) else INVALID
+            start = pos + len(VALUE_OPEN)
+            close = text.find(VALUE_CLOSE, start)
+            if close < 0:
+                return pending
+            args[key] = coerce_value(text[start:close], spec.params.get(key, frozenset()))
+            pos = _skip_ws(text, close + len(VALUE_CLOSE))
+            continue
+        rest = text[pos:]
+        if CLOSE.startswith(rest) or KEY_OPEN.startswith(rest):
+            return pending
+        return INVALID

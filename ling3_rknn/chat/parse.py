@@ -1,0 +1,53 @@
+"""Whole-text parsing of an assistant turn, and the OpenAI message a client gets back."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from .parsed import ParsedMessage
+from .stream_parse import StreamingParser
+
+
+def parse_assistant(
+    text: str, tools: Any = None, *, thinking: bool = True, parallel_tool_calls: bool = True
+) -> ParsedMessage:
+    """Generated text -> reasoning, content and calls (rules in ``stream_parse``)."""
+    parser = StreamingParser(tools, thinking=thinking, parallel_tool_calls=parallel_tool_calls)
+    parser.feed(text)
+    parser.finish()
+    return parser.result()
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def assistant_message(parsed: ParsedMessage, ids: Sequence[str] | None = None) -> dict:
+    """The OpenAI assistant message for ``parsed``: what the server returns and what clients
+    send back as history. ``content`` is null when there are calls and no text; arguments are
+    a JSON string (``ensure_ascii=False``, key order kept); reasoning goes in
+    ``reasoning_content`` and is omitted when empty."""
+    if ids is not None and len(ids) != len(parsed.tool_calls):
+        raise ValueError("one id per tool call")
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": parsed.content if parsed.content or not parsed.tool_calls else None,
+    }
+    if parsed.reasoning:
+        msg["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        msg["tool_calls"] = [
+            {
+                "id": ids[i] if ids is not None else new_tool_call_id(),
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": json.dumps(call.arguments, ensure_ascii=False),
+                },
+            }
+            for i, call in enumerate(parsed.tool_calls)
+        ]
+    return msg
