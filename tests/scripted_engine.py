@@ -29,7 +29,7 @@ from ling3_rknn.engine.api import (
 
 @dataclass
 class Script:
-    pieces: list[str] = field(default_factory=lambda: ["Hello", " world", "!"])
+    pieces: list[str] = field(default_factory=lambda: ["</think>Hello", " world", "!"])
     finish_reason: str = "stop"
     cached_tokens: int = 0
     piece_delay_s: float = 0.0

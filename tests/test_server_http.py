@@ -44,7 +44,7 @@ def error_of(text: str) -> dict:
 
 
 async def test_non_stream_shape_and_usage(engine):
-    engine.push("Hel", "lo", cached_tokens=3)
+    engine.push("</think>Hel", "lo", cached_tokens=3)
     async with running_server(engine) as srv, aiohttp.ClientSession() as s:
         status, headers, text = await post(s, srv.v1 + "/chat/completions", chat_body())
     assert status == 200
@@ -64,7 +64,7 @@ async def test_non_stream_shape_and_usage(engine):
 
 
 async def test_stream_chunk_rules(engine):
-    engine.push("Hel", "lo", " there", cached_tokens=2)
+    engine.push("</think>Hel", "lo", " there", cached_tokens=2)
     payload = chat_body(stream=True, stream_options={"include_usage": True})
     async with running_server(engine) as srv, aiohttp.ClientSession() as s:
         status, headers, text = await post(s, srv.v1 + "/chat/completions", payload)
@@ -468,7 +468,7 @@ async def test_non_stream_disconnect_cancels_generation(engine):
 
 
 async def test_keep_alive_comments_during_long_prefill(engine):
-    engine.push("done", prefill_delay_s=0.5)
+    engine.push("</think>done", prefill_delay_s=0.5)
     config = AppConfig(header_wait_s=0.05, keep_alive_s=0.1)
     async with running_server(engine, config) as srv, aiohttp.ClientSession() as s:
         status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body(stream=True))

@@ -66,7 +66,7 @@ def extra(obj, name: str):
 
 
 async def test_plain_answer_non_stream(engine):
-    engine.push("Hello", " world", cached_tokens=4)
+    engine.push("</think>Hello", " world", cached_tokens=4)
     async with running_server(engine) as srv:
         client = client_for(srv.v1)
         completion = await client.chat.completions.create(model=MODEL, messages=[USER])
@@ -77,7 +77,7 @@ async def test_plain_answer_non_stream(engine):
 
 
 async def test_plain_answer_stream_with_usage(engine):
-    engine.push("Hello", " world")
+    engine.push("</think>Hello", " world")
     async with running_server(engine) as srv:
         client = client_for(srv.v1)
         stream = await client.chat.completions.create(
