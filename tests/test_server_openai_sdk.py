@@ -54,10 +54,22 @@ def engine() -> ScriptedEngine:
     return ScriptedEngine()
 
 
+_clients: list[openai.AsyncOpenAI] = []
+
+
 def client_for(base: str, **kwargs) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
+    client = openai.AsyncOpenAI(
         base_url=base, api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs
     )
+    _clients.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+async def close_clients():
+    yield
+    while _clients:
+        await _clients.pop().close()
 
 
 def extra(obj, name: str):
