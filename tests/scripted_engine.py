@@ -22,6 +22,7 @@ from ling3_rknn.engine.api import (
     EngineStats,
     Finished,
     GenerationRequest,
+    InvalidRequest,
     TextDelta,
     Usage,
 )
@@ -34,7 +35,8 @@ class Script:
     cached_tokens: int = 0
     piece_delay_s: float = 0.0
     prefill_delay_s: float = 0.0
-    fail: str | None = None  # "busy" | "context" | "crash_before" | "failure_mid" | "hang"
+    # "busy" | "context" | "invalid" | "failure_before" | "crash_before" | "failure_mid" | "hang"
+    fail: str | None = None
 
 
 def prompt_text(request: GenerationRequest) -> str:
@@ -98,6 +100,10 @@ class ScriptedEngine:
             raise EngineBusy("The request queue is full.")
         if script.fail == "context" or prompt_tokens > self.max_context:
             raise ContextLengthExceeded(max(prompt_tokens, self.max_context + 1), self.max_context)
+        if script.fail == "invalid":
+            raise InvalidRequest("top_k must be >= 0")
+        if script.fail == "failure_before":
+            raise EngineFailure("NPU not responding")
         if script.fail == "crash_before":
             raise RuntimeError("secret internal detail /home/x/engine.py line 42")
         if self._lock is None:

@@ -382,6 +382,18 @@ async def test_internal_error_is_500_without_details(engine, stream):
     assert after[0] == 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("fail", "status", "code"), [("invalid", 400, None), ("failure_before", 500, "engine_failure")]
+)
+async def test_engine_refusals_before_output(engine, stream, fail, status, code):
+    engine.push("x", fail=fail)
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        got, _, text = await post(s, srv.v1 + "/chat/completions", chat_body(stream=stream))
+    assert got == status
+    assert error_of(text)["code"] == code
+
+
 async def test_engine_failure_mid_stream_is_an_error_event(engine):
     engine.push("a", "b", "c", "d", fail="failure_mid")
     async with running_server(engine) as srv, aiohttp.ClientSession() as s:

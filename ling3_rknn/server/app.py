@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ling3_rknn.engine.api import EngineFailure, EngineProtocol
+from ling3_rknn.engine.api import EngineProtocol
 from ling3_rknn.server import errors
 from ling3_rknn.server.completion import (
     Completion,
@@ -205,10 +205,6 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         await completion.close()
 
 
-def _engine_failure(exc: EngineFailure) -> ApiError:
-    return ApiError(500, f"The model failed: {exc}", type="server_error", code="engine_failure")
-
-
 async def _whole(request: web.Request, completion: Completion, model: str) -> web.Response:
     metrics = request.app[_METRICS]
     started = time.monotonic()
@@ -216,18 +212,15 @@ async def _whole(request: web.Request, completion: Completion, model: str) -> we
     metrics.time_to_first_token.observe(time.monotonic() - started)
     message = MessageBuilder()
     done: DoneOut | None = None
-    try:
-        async for event in completion.events():
-            if isinstance(event, ReasoningOut):
-                message.reasoning.append(event.text)
-            elif isinstance(event, ContentOut):
-                message.content.append(event.text)
-            elif isinstance(event, ToolCallOut):
-                message.tool_calls.append(event)
-            else:
-                done = event
-    except EngineFailure as exc:
-        raise _engine_failure(exc) from None
+    async for event in completion.events():
+        if isinstance(event, ReasoningOut):
+            message.reasoning.append(event.text)
+        elif isinstance(event, ContentOut):
+            message.content.append(event.text)
+        elif isinstance(event, ToolCallOut):
+            message.tool_calls.append(event)
+        else:
+            done = event
     assert done is not None
     metrics.completions.labels("false", done.finish_reason).inc()
     body = message.body(
@@ -255,8 +248,6 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             await _stream_events(writer, chunks, completion, first, metrics, started)
         except ApiError as exc:
             await writer.send(exc.body())
-        except EngineFailure as exc:
-            await writer.send(_engine_failure(exc).body())
         except asyncio.CancelledError:
             if not app[_STATE].get("stopping"):
                 raise

@@ -19,9 +19,11 @@ from ling3_rknn import chat
 from ling3_rknn.engine.api import (
     ContextLengthExceeded,
     EngineBusy,
+    EngineFailure,
     EngineProtocol,
     Finished,
     GenerationRequest,
+    InvalidRequest,
     SegmentLike,
     TextDelta,
     Usage,
@@ -64,6 +66,11 @@ class DoneOut:
 
 
 CompletionEvent = ReasoningOut | ContentOut | ToolCallOut | DoneOut
+
+
+def engine_failure(exc: EngineFailure) -> ApiError:
+    """The model or NPU failed; the engine stays usable, so a retry may succeed."""
+    return ApiError(500, f"The model failed: {exc}", type="server_error", code="engine_failure")
 
 
 def render_prompt(request: ChatRequest) -> Sequence[SegmentLike]:
@@ -118,6 +125,10 @@ class Completion:
             raise context_length_exceeded(str(exc)) from None
         except EngineBusy as exc:
             raise busy(str(exc) or "The server is busy; retry shortly.") from None
+        except InvalidRequest as exc:
+            raise invalid_request(str(exc)) from None
+        except EngineFailure as exc:
+            raise engine_failure(exc) from None
         except StopAsyncIteration:
             raise ApiError(500, "The engine ended without a result.", type="server_error") from None
 
@@ -137,6 +148,8 @@ class Completion:
                 yield out
             try:
                 event = await anext(self._generation)
+            except EngineFailure as exc:
+                raise engine_failure(exc) from None
             except StopAsyncIteration:
                 raise ApiError(
                     500, "The engine stopped without finishing.", type="server_error"
