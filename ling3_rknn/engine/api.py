@@ -116,6 +116,9 @@ class EngineStats:
     cache_bytes: int = 0
     queue_depth: int = 0
     npu_errors: int = 0
+    cache_entries: int = 0  # snapshots indexed (in memory or on disk)
+    cache_disk_bytes: int = 0
+    cancelled: int = 0  # requests whose consumer went away before the end
 
 
 class EngineProtocol(Protocol):

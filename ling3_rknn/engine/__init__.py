@@ -1,0 +1,41 @@
+"""Sampler, generation loop, prefix cache and the single worker that owns the model.
+
+``Engine`` implements ``api.EngineProtocol`` for the server.
+"""
+
+from .api import (
+    ContextLengthExceeded,
+    EngineBusy,
+    EngineError,
+    EngineFailure,
+    EngineProtocol,
+    EngineStats,
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+    TextDelta,
+    Usage,
+)
+from .engine import Engine
+from .sampler import LING3_GENERATION_DEFAULTS, defaults_from_generation_config
+
+__all__ = [
+    "LING3_GENERATION_DEFAULTS",
+    "ContextLengthExceeded",
+    "Engine",
+    "EngineBusy",
+    "EngineError",
+    "EngineFailure",
+    "EngineProtocol",
+    "EngineStats",
+    "Finished",
+    "GenerationEvent",
+    "GenerationRequest",
+    "InvalidRequest",
+    "SamplingParams",
+    "TextDelta",
+    "Usage",
+    "defaults_from_generation_config",
+]

@@ -1,0 +1,275 @@
+"""The engine the server talks to: admission, a FIFO queue and one worker thread.
+
+The model (and on the board the NPU) is owned by a single worker thread, so requests are
+served strictly in arrival order and never interleave on the device. numpy and the NPU
+runtime release the GIL while they compute, so the asyncio loop stays responsive. Events
+cross from the worker to the consuming coroutine through ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .api import (
+    ContextLengthExceeded,
+    EngineBusy,
+    EngineFailure,
+    EngineStats,
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+)
+from .prefix_cache import PrefixCache
+from .prompt_encoder import PromptEncoder
+from .runner import Counters, Job, ModelLike, Runner, RunnerOptions, TokenizerLike
+from .sampler import LING3_GENERATION_DEFAULTS, resolve_settings
+from .snapshot_store import SnapshotStore, model_fingerprint
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 2 << 30  # 2 GiB: ~100 snapshots of the real model's ~20 MB state
+EOS_TEXT = "<|role_end|>"
+
+
+class Engine:
+    """Implements ``EngineProtocol`` on a model and a tokenizer."""
+
+    def __init__(
+        self,
+        model: ModelLike,
+        tokenizer: TokenizerLike,
+        *,
+        model_id: str,
+        max_context: int,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_disk_bytes: int | None = None,
+        weights_identity: str = "",
+        generation_defaults: SamplingParams = LING3_GENERATION_DEFAULTS,
+        max_queue: int = 16,
+        prefill_chunk: int = 64,
+        checkpoint_min_tokens: int = 64,
+        snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
+    ) -> None:
+        if max_context < 2:
+            raise ValueError("max_context must be at least 2")
+        if max_queue < 1:
+            raise ValueError("max_queue must be at least 1")
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
+        self.model_id = model_id
+        self.max_context = max_context
+        self._defaults = generation_defaults
+        self._max_queue = max_queue
+        self._tokenizer = tokenizer
+        self._encoder = PromptEncoder(tokenizer, _eos_text(tokenizer))
+        self._cache = self._build_cache(
+            model, cache_bytes, cache_dir, cache_disk_bytes, weights_identity, snapshot_from_arrays
+        )
+        self._counters = Counters()
+        self._runner = Runner(
+            model,
+            tokenizer,
+            self._encoder,
+            self._cache,
+            self._counters,
+            RunnerOptions(max_context, prefill_chunk, checkpoint_min_tokens),
+        )
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._admission = threading.Condition()
+        self._waiting = 0  # admitted, not yet picked up by the worker
+        self._in_flight = 0  # queued or running (including post-generation snapshots)
+        self._closed = False
+        self._current: Job | None = None
+        self._worker = threading.Thread(target=self._work, name="ling3-engine", daemon=True)
+        self._worker.start()
+
+    @staticmethod
+    def _build_cache(
+        model: ModelLike,
+        cache_bytes: int,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_disk_bytes: int | None,
+        weights_identity: str,
+        snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None,
+    ) -> PrefixCache | None:
+        if cache_bytes <= 0:
+            return None
+        if cache_dir is None:
+            return PrefixCache(cache_bytes)
+        if snapshot_from_arrays is None:
+            snapshot_from_arrays = _model_snapshot_reader(model)
+        store = SnapshotStore(cache_dir, model_fingerprint(model.config, weights_identity))
+        return PrefixCache(
+            cache_bytes,
+            store=store,
+            to_arrays=lambda snap: snap.to_arrays(),
+            from_arrays=snapshot_from_arrays,
+            max_disk_bytes=cache_disk_bytes,
+        )
+
+    # -- EngineProtocol ------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return not self._closed and self._worker.is_alive()
+
+    def stats(self) -> EngineStats:
+        c = self._counters
+        cache = self._cache.counters() if self._cache is not None else None
+        with c.lock:
+            return EngineStats(
+                requests=c.requests,
+                prompt_tokens=c.prompt_tokens,
+                completion_tokens=c.completion_tokens,
+                prefill_tokens=c.prefill_tokens,
+                prefill_seconds=c.prefill_seconds,
+                decode_tokens=c.decode_tokens,
+                decode_seconds=c.decode_seconds,
+                cache_hits=c.cache_hits,
+                cache_tokens_reused=c.cache_tokens_reused,
+                cache_bytes=cache.bytes_held if cache else 0,
+                queue_depth=self._waiting,
+                npu_errors=c.npu_errors,
+                cache_entries=cache.entries if cache else 0,
+                cache_disk_bytes=cache.disk_bytes if cache else 0,
+                cancelled=c.cancelled,
+            )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        if not self.ready:
+            raise EngineFailure("the engine is shut down")
+        settings = resolve_settings(request.sampling, self._defaults)
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        stops = tuple(request.stop)
+        if any(not isinstance(s, str) for s in stops):
+            raise InvalidRequest("stop must be strings")
+        with self._admission:
+            if self._waiting >= self._max_queue:
+                raise EngineBusy(f"{self._waiting} requests are already waiting")
+            self._waiting += 1
+        admitted = True
+        try:
+            prompt = await asyncio.to_thread(self._encoder.encode, list(request.prompt))
+            if not prompt.ids:
+                raise InvalidRequest("the prompt is empty")
+            if len(prompt.ids) >= self.max_context:
+                raise ContextLengthExceeded(len(prompt.ids), self.max_context)
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
+
+            def emit(event: GenerationEvent | BaseException) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, event)
+                except RuntimeError:  # the consumer's loop is gone
+                    job.cancel.set()
+
+            job = Job(prompt, settings, request.max_tokens, stops, emit)
+            with self._admission:
+                self._in_flight += 1
+            self._jobs.put(job)
+            admitted = False  # the worker now owns the waiting count
+        finally:
+            if admitted:
+                with self._admission:
+                    self._waiting -= 1
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            job.cancel.set()  # no-op once finished; stops the worker within one token
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is queued or running (post-generation work included)."""
+        with self._admission:
+            return self._admission.wait_for(lambda: self._in_flight == 0, timeout)
+
+    async def idle(self, timeout: float | None = None) -> bool:
+        """``wait_idle`` for coroutines; also flushes pending cache writes to disk."""
+        done = await asyncio.to_thread(self.wait_idle, timeout)
+        if done and self._cache is not None:
+            await asyncio.to_thread(self._cache.flush)
+        return done
+
+    def close(self) -> None:
+        """Cancel the running request, drop queued ones, stop the worker, flush writes."""
+        if self._closed:
+            return
+        self._closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit(EngineFailure("the engine is shutting down"))
+        current = self._current
+        if current is not None:
+            current.cancel.set()
+        self._jobs.put(None)
+        self._worker.join()
+        if self._cache is not None:
+            self._cache.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- worker --------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._admission:
+                self._waiting -= 1
+            self._current = job
+            try:
+                if not job.cancel.is_set():
+                    self._runner.run(job)
+            except BaseException as exc:  # keep the worker alive whatever happens
+                log.exception("engine: request failed unexpectedly")
+                job.emit(EngineFailure(f"internal error: {type(exc).__name__}: {exc}"))
+            finally:
+                self._current = None
+                with self._admission:
+                    self._in_flight -= 1
+                    self._admission.notify_all()
+
+
+def _eos_text(tokenizer: TokenizerLike) -> str:
+    try:
+        text = tokenizer.decode([tokenizer.eos_id])
+    except Exception:
+        return EOS_TEXT
+    return text or EOS_TEXT
+
+
+def _model_snapshot_reader(model: ModelLike) -> Callable[[Mapping[str, np.ndarray]], Any]:
+    """``StateSnapshot.from_arrays`` bound to the model's config (imported lazily so the
+    engine can be unit-tested with a scripted model double)."""
+    from ling3_rknn.model import StateSnapshot
+
+    config = model.config
+    return lambda arrays: StateSnapshot.from_arrays(config, arrays)

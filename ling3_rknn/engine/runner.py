@@ -1,0 +1,342 @@
+"""The generation loop that owns the model: resume from the cache, prefill, decode.
+
+Runs on the engine's single worker thread and knows nothing about asyncio: it reports
+events through a callback and polls a cancel flag between model calls (so a cancelled
+request stops within one decode token or one prefill chunk).
+
+Snapshots are taken (a) at turn boundaries inside a long prompt (after the first turn,
+i.e. the system and tools header, and before the last turn), (b) at the end of every
+prompt and (c) after every generation that ended with the end-of-turn marker or at the
+length limit. For (c) the marker itself is fed to the model after the client has its
+``Finished`` event, so the snapshot sits exactly where the next turn of an agent loop
+continues and that turn evaluates only its own new tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .api import EngineFailure, Finished, FinishReason, GenerationEvent, TextDelta, Usage
+from .prefix_cache import PrefixCache
+from .prompt_encoder import EncodedPrompt, PromptEncoder
+from .sampler import Sampler, SamplerSettings
+from .stop_strings import StopMatcher
+
+log = logging.getLogger(__name__)
+
+
+class StateLike(Protocol):
+    length: int
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, snapshot: Any) -> None: ...
+
+
+class ModelLike(Protocol):
+    """What the engine needs from ``ling3_rknn.model.Model``."""
+
+    config: Any
+
+    def new_state(self) -> Any: ...
+
+    def forward(self, token_ids: Sequence[int], state: Any) -> np.ndarray: ...
+
+
+class StreamDecoderLike(Protocol):
+    def feed(self, token_id: int) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+class TokenizerLike(Protocol):
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode_segments(self, segments: Sequence[Any]) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def stream_decoder(self) -> StreamDecoderLike: ...
+
+
+@dataclass
+class Job:
+    """One admitted request as the worker sees it."""
+
+    prompt: EncodedPrompt
+    settings: SamplerSettings
+    max_tokens: int | None
+    stops: tuple[str, ...]
+    emit: Callable[[GenerationEvent | BaseException], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Counters:
+    """Mutable engine counters, updated by the worker under ``lock``."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    cache_hits: int = 0
+    cache_tokens_reused: int = 0
+    npu_errors: int = 0
+    cancelled: int = 0
+
+
+class Cancelled(Exception):
+    """The consumer went away; stop quietly."""
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    max_context: int
+    prefill_chunk: int = 64
+    checkpoint_min_tokens: int = 64  # no boundary snapshot closer than this to another
+
+
+class Runner:
+    """Owns the model and its one live state; runs jobs one at a time."""
+
+    def __init__(
+        self,
+        model: ModelLike,
+        tokenizer: TokenizerLike,
+        encoder: PromptEncoder,
+        cache: PrefixCache | None,
+        counters: Counters,
+        options: RunnerOptions,
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._encoder = encoder
+        self._cache = cache
+        self._counters = counters
+        self._options = options
+        self._vocab = int(model.config.vocab_size)
+        self._eos_id = int(tokenizer.eos_id)
+        config_eos = getattr(model.config, "eos_token_ids", None)
+        if config_eos is None:
+            single = getattr(model.config, "eos_token_id", None)
+            config_eos = () if single is None else (single,)
+        self._stop_ids = frozenset({self._eos_id, *(int(t) for t in config_eos)})
+        self._sample_limit = min(self._vocab, _tokenizer_vocab(tokenizer, self._vocab))
+        self._last_only = "last_only" in inspect.signature(model.forward).parameters
+        self._state = model.new_state()
+        self._empty = self._state.snapshot()
+
+    # -- model calls ---------------------------------------------------------------
+
+    def _forward(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits row after the last of ``ids``; a model error becomes EngineFailure."""
+        try:
+            if self._last_only:
+                out = self._model.forward(ids, self._state, last_only=True)
+            else:
+                out = self._model.forward(ids, self._state)
+            return out[-1]
+        except Exception as exc:
+            self._recover()
+            raise EngineFailure(f"model failure: {type(exc).__name__}: {exc}") from exc
+
+    def _recover(self) -> None:
+        """After a failed model call the live state may be half-updated: start clean."""
+        with self._counters.lock:
+            self._counters.npu_errors += 1
+        try:
+            self._state = self._model.new_state()
+        except Exception:  # keep the old object; it is restored before every request
+            log.exception("engine: cannot create a fresh state after a model failure")
+
+    def _snapshot(self, ids: Sequence[int], logits: np.ndarray) -> None:
+        if self._cache is None:
+            return
+        try:
+            self._cache.insert(ids, self._state.snapshot(), logits)
+        except Exception:  # the cache is an optimisation: never fail a request for it
+            log.exception("engine: snapshot at %d tokens failed", len(ids))
+
+    # -- one request ---------------------------------------------------------------
+
+    def run(self, job: Job) -> None:
+        ids = job.prompt.ids
+        with self._counters.lock:
+            self._counters.requests += 1
+            self._counters.prompt_tokens += len(ids)
+        try:
+            depth, logits = self._prefill(job)
+            reason, generated, text = self._decode(job, logits, depth)
+        except Cancelled:
+            with self._counters.lock:
+                self._counters.cancelled += 1
+            return
+        except EngineFailure as exc:
+            job.emit(exc)
+            return
+        except FloatingPointError as exc:  # the sampler saw NaN/inf logits
+            self._recover()
+            job.emit(EngineFailure(f"model failure: {exc}"))
+            return
+        self._after_generation(job, reason, generated, text)
+
+    def _resume(self, ids: list[int]) -> tuple[int, np.ndarray | None]:
+        hit = self._cache.lookup(ids) if self._cache is not None else None
+        if hit is None:
+            self._state.restore(self._empty)
+            return 0, None
+        try:
+            self._state.restore(hit.snapshot)
+        except Exception:
+            log.exception("engine: cached snapshot could not be restored; evaluating cold")
+            self._state = self._model.new_state()
+            return 0, None
+        with self._counters.lock:
+            self._counters.cache_hits += 1
+            self._counters.cache_tokens_reused += hit.depth
+        return hit.depth, (hit.logits if hit.depth == len(ids) else None)
+
+    def _checkpoints(self, ids: list[int], depth: int) -> list[int]:
+        """Turn boundaries (just after an end-of-turn id) worth a snapshot, then the end."""
+        gap = self._options.checkpoint_min_tokens
+        boundaries = [
+            p + 1 for p, t in enumerate(ids[:-1]) if t == self._eos_id and p + 1 > depth
+        ]
+        chosen: list[int] = []
+        for p in (boundaries[:1] + boundaries[-1:]) if boundaries else []:
+            last = chosen[-1] if chosen else depth
+            if p - last >= gap and len(ids) - p >= gap and p not in chosen:
+                chosen.append(p)
+        return [*chosen, len(ids)]
+
+    def _prefill(self, job: Job) -> tuple[int, np.ndarray]:
+        ids = job.prompt.ids
+        depth, logits = self._resume(ids)
+        if logits is not None:
+            return depth, logits
+        t0 = time.perf_counter()
+        pos = depth
+        chunk = self._options.prefill_chunk
+        for target in self._checkpoints(ids, depth):
+            while pos < target:
+                if job.cancel.is_set():
+                    self._count_prefill(pos - depth, t0)
+                    raise Cancelled
+                end = min(pos + chunk, target)
+                logits = self._forward(ids[pos:end])
+                pos = end
+            assert logits is not None
+            self._snapshot(ids[:pos], logits)
+        self._count_prefill(pos - depth, t0)
+        assert logits is not None
+        return depth, logits
+
+    def _count_prefill(self, tokens: int, t0: float) -> None:
+        with self._counters.lock:
+            self._counters.prefill_tokens += tokens
+            self._counters.prefill_seconds += time.perf_counter() - t0
+
+    def _decode(
+        self, job: Job, logits: np.ndarray, depth: int
+    ) -> tuple[FinishReason | str, list[int], str]:
+        ids = job.prompt.ids
+        sampler = Sampler(job.settings, self._sample_limit, ids)
+        decoder = self._tokenizer.stream_decoder()
+        stopper = StopMatcher(job.stops)
+        limit = self._options.max_context - len(ids)
+        if job.max_tokens is not None:
+            limit = min(limit, job.max_tokens)
+        generated: list[int] = []
+        pieces: list[str] = []
+        pending: list[int] = []
+        reason: str = "length"
+        t0 = time.perf_counter()
+        evaluated = 0
+        try:
+            while True:
+                if job.cancel.is_set():
+                    raise Cancelled
+                token = sampler.sample(logits[: self._sample_limit])
+                sampler.accept(token)
+                generated.append(token)
+                if token in self._stop_ids:
+                    reason = "eos"
+                    break
+                pending.append(token)
+                text = stopper.feed(decoder.feed(token))
+                if text:
+                    pieces.append(text)
+                    job.emit(TextDelta(text, tuple(pending)))
+                    pending = []
+                if stopper.stopped:
+                    reason = "stop_string"
+                    break
+                if len(generated) >= limit:
+                    break
+                logits = self._forward([token])
+                evaluated += 1
+        finally:
+            with self._counters.lock:
+                self._counters.decode_tokens += evaluated
+                self._counters.decode_seconds += time.perf_counter() - t0
+                self._counters.completion_tokens += len(generated)
+        if not stopper.stopped:
+            tail = stopper.feed(decoder.finish())
+            tail += stopper.flush()
+            if stopper.stopped:
+                reason = "stop_string"
+            if tail:
+                pieces.append(tail)
+                job.emit(TextDelta(tail, tuple(pending)))
+        text = "".join(pieces)
+        finish: FinishReason = "length" if reason == "length" else "stop"
+        usage = Usage(len(ids), len(generated), depth)
+        job.emit(Finished(finish, usage, text))
+        return reason, generated, text
+
+    def _after_generation(self, job: Job, reason: str, generated: list[int], text: str) -> None:
+        """Feed the end-of-turn marker and snapshot where the next turn will continue."""
+        if reason == "eos":
+            body = generated[:-1]
+            feed = [self._eos_id]
+        elif reason == "length" and generated:
+            body = generated
+            feed = [generated[-1], self._eos_id]
+        else:  # a stop string cut the text mid-token: the next turn cannot line up
+            return
+        prompt = job.prompt
+        full = [*prompt.ids, *body, self._eos_id]
+        if len(full) > self._options.max_context:
+            return
+        self._encoder.remember(prompt, text, body, self._eos_id)
+        if self._cache is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            logits = self._forward(feed)
+        except EngineFailure:
+            log.exception("engine: end-of-turn evaluation failed; no snapshot for this turn")
+            return
+        with self._counters.lock:
+            self._counters.decode_tokens += len(feed)
+            self._counters.decode_seconds += time.perf_counter() - t0
+        self._snapshot(full, logits)
+
+
+def _tokenizer_vocab(tokenizer: Any, fallback: int) -> int:
+    """Ids the tokenizer can decode; the model's padding rows beyond it are never sampled."""
+    size = getattr(tokenizer, "vocab_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else fallback

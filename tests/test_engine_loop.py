@@ -1,0 +1,341 @@
+"""Engine loop with a scripted model double and the real compact tokenizer: streaming,
+stop conditions, queueing, cancellation, failures and prefix-cache bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from engine_doubles import FakeSnapshot, ScriptedModel, answer_script
+
+from ling3_rknn.chat.segments import Segment
+from ling3_rknn.engine import (
+    ContextLengthExceeded,
+    Engine,
+    EngineBusy,
+    EngineFailure,
+    Finished,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+    TextDelta,
+)
+from ling3_rknn.tokenizer import Tokenizer
+
+TOKENIZER = Path(__file__).parent / "fixtures" / "tokenizer" / "compact" / "tokenizer.json"
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_file(TOKENIZER)
+
+
+def C(text: str) -> Segment:
+    return Segment(text, True)
+
+
+def T(text: str) -> Segment:
+    return Segment(text, False)
+
+
+def prompt(user: str = "say hello", system: str = "be brief") -> list[Segment]:
+    return [
+        C("<role>SYSTEM</role>"),
+        T(system),
+        C("<|role_end|><role>HUMAN</role>"),
+        T(user),
+        C("<|role_end|><role>ASSISTANT</role>"),
+    ]
+
+
+def make_engine(tok, answer_text="hello world", **kw) -> tuple[Engine, ScriptedModel]:
+    answer = tok.encode_text(answer_text)
+    close = tok.special_ids["</role>"]
+    model = ScriptedModel(
+        tok.vocab_size,
+        answer_script(answer, close, tok.eos_id),
+        eos_token_ids=(tok.special_ids["<|endoftext|>"],),
+        delay=kw.pop("delay", 0.0),
+    )
+    kw.setdefault("checkpoint_min_tokens", 0)
+    engine = Engine(model, tok, model_id="test", max_context=kw.pop("max_context", 512), **kw)
+    return engine, model
+
+
+async def collect(engine: Engine, request: GenerationRequest):
+    events = [e async for e in engine.generate(request)]
+    assert isinstance(events[-1], Finished)
+    deltas = [e for e in events[:-1] if isinstance(e, TextDelta)]
+    return deltas, events[-1]
+
+
+async def test_streams_text_and_stops_at_eos(tok):
+    engine, _ = make_engine(tok)
+    with engine:
+        deltas, fin = await collect(engine, GenerationRequest(prompt(), GREEDY))
+    text = "".join(d.text for d in deltas)
+    assert text == "hello world" == fin.text
+    assert fin.finish_reason == "stop"
+    assert "<|role_end|>" not in text
+    ids = [i for d in deltas for i in d.token_ids]
+    assert ids == tok.encode_text("hello world")
+    assert fin.usage.prompt_tokens == len(tok.encode_segments(prompt()))
+    assert fin.usage.completion_tokens == len(ids) + 1  # + the end-of-turn token
+    assert fin.usage.cached_tokens == 0
+
+
+async def test_model_config_eos_also_stops(tok):
+    engine, model = make_engine(tok)
+    end = tok.special_ids["<|endoftext|>"]
+    model._next = lambda h: end
+    with engine:
+        deltas, fin = await collect(engine, GenerationRequest(prompt(), GREEDY))
+    assert deltas == [] and fin.text == "" and fin.finish_reason == "stop"
+
+
+async def test_stop_string_never_leaks(tok):
+    engine, _ = make_engine(tok, answer_text="hello world and more")
+    with engine:
+        req = GenerationRequest(prompt(), GREEDY, stop=["o w", "zzz"])
+        deltas, fin = await collect(engine, req)
+    assert "".join(d.text for d in deltas) == "hell" == fin.text
+    assert fin.finish_reason == "stop"
+
+
+async def test_max_tokens_and_context_limit_give_length(tok):
+    engine, _ = make_engine(tok, answer_text="hello world and more")
+    with engine:
+        _, fin = await collect(engine, GenerationRequest(prompt(), GREEDY, max_tokens=3))
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 3
+    n = len(tok.encode_segments(prompt()))
+    engine, _ = make_engine(tok, answer_text="hello world and more", max_context=n + 2)
+    with engine:
+        _, fin = await collect(engine, GenerationRequest(prompt(), GREEDY))
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 2
+
+
+async def test_typed_errors_before_the_first_event(tok):
+    n = len(tok.encode_segments(prompt()))
+    engine, model = make_engine(tok, max_context=n)
+    with engine:
+        with pytest.raises(ContextLengthExceeded) as info:
+            await anext(engine.generate(GenerationRequest(prompt(), GREEDY)))
+        assert info.value.prompt_tokens == n
+        with pytest.raises(InvalidRequest):
+            await anext(engine.generate(GenerationRequest(prompt(), SamplingParams(top_p=2.0))))
+        with pytest.raises(InvalidRequest):
+            await anext(engine.generate(GenerationRequest([], GREEDY)))
+        with pytest.raises(InvalidRequest):
+            await anext(engine.generate(GenerationRequest(prompt(), GREEDY, max_tokens=0)))
+        assert model.calls == []
+        assert engine.stats().queue_depth == 0
+
+
+async def test_queue_is_fifo_and_bounded(tok):
+    engine, model = make_engine(tok, max_queue=1)
+    model.gate = threading.Event()
+    with engine:
+        first = engine.generate(GenerationRequest(prompt("one"), GREEDY))
+        task1 = asyncio.ensure_future(anext(first))
+        await asyncio.sleep(0.2)  # the worker is now inside forward, blocked on the gate
+        second = engine.generate(GenerationRequest(prompt("two"), GREEDY))
+        task2 = asyncio.ensure_future(anext(second))
+        await asyncio.sleep(0.2)
+        assert engine.stats().queue_depth == 1
+        with pytest.raises(EngineBusy):
+            await anext(engine.generate(GenerationRequest(prompt("three"), GREEDY)))
+        model.gate.set()
+        await task1
+        rest1 = [e async for e in first]
+        await task2
+        rest2 = [e async for e in second]
+        assert isinstance(rest1[-1], Finished) and isinstance(rest2[-1], Finished)
+    one = tok.encode_text("one")
+    two = tok.encode_text("two")
+    flat = [t for c in model.calls for t in c]
+    text = repr(flat)
+    assert text.index(repr(one)[1:-1]) < text.index(repr(two)[1:-1])
+
+
+async def test_cancel_stops_within_one_token_and_engine_stays_clean(tok):
+    long_answer = " ".join(["hello"] * 40)
+    engine, model = make_engine(tok, answer_text=long_answer, delay=0.01)
+    with engine:
+        stream = engine.generate(GenerationRequest(prompt(), GREEDY))
+        await anext(stream)
+        calls_at_cancel = len(model.calls)
+        await stream.aclose()
+        await asyncio.sleep(0.3)
+        assert len(model.calls) <= calls_at_cancel + 1
+        assert engine.stats().cancelled == 1
+        _deltas, fin = await collect(engine, GenerationRequest(prompt("x"), GREEDY))
+        assert fin.text == long_answer
+
+
+async def test_consumer_task_cancellation_also_cancels(tok):
+    engine, model = make_engine(tok, answer_text=" ".join(["hello"] * 40), delay=0.01)
+    with engine:
+
+        async def consume():
+            async for _ in engine.generate(GenerationRequest(prompt(), GREEDY)):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        n = len(model.calls)
+        await asyncio.sleep(0.2)
+        assert len(model.calls) == n  # the worker stopped
+
+
+async def test_model_failure_becomes_engine_failure_and_engine_recovers(tok):
+    engine, model = make_engine(tok)
+    bad = tok.encode_text("boom")
+    model.fail_when = lambda h: any(h[i : i + len(bad)] == bad for i in range(len(h)))
+    with engine:
+        await collect(engine, GenerationRequest(prompt("ok"), GREEDY))
+        await engine.idle()
+        cached = engine.stats().cache_entries
+        with pytest.raises(EngineFailure):
+            async for _ in engine.generate(GenerationRequest(prompt("boom"), GREEDY)):
+                pass
+        stats = engine.stats()
+        assert stats.npu_errors == 1 and stats.cache_entries == cached
+        _, fin = await collect(engine, GenerationRequest(prompt("ok"), GREEDY))
+        assert fin.text == "hello world" and fin.usage.cached_tokens > 0
+
+
+async def test_nan_logits_fail_the_request_only(tok):
+    engine, model = make_engine(tok)
+    model.nan_when = lambda h: h[-1] == tok.encode_text("hello")[0]
+    with engine:
+        with pytest.raises(EngineFailure):
+            async for _ in engine.generate(GenerationRequest(prompt(), GREEDY)):
+                pass
+        model.nan_when = None
+        _, fin = await collect(engine, GenerationRequest(prompt("other"), GREEDY))
+        assert fin.text == "hello world"
+
+
+async def test_event_loop_stays_responsive_while_the_model_computes(tok):
+    engine, _ = make_engine(tok, answer_text=" ".join(["hello"] * 10), delay=0.02)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    with engine:
+        t = asyncio.ensure_future(ticker())
+        start = time.perf_counter()
+        await collect(engine, GenerationRequest(prompt(), GREEDY))
+        elapsed = time.perf_counter() - start
+        t.cancel()
+    assert ticks >= 0.3 * elapsed / 0.005  # the loop kept running between tokens
+
+
+async def test_same_prompt_twice_evaluates_nothing_the_second_time(tok):
+    engine, model = make_engine(tok)
+    with engine:
+        _, fin1 = await collect(engine, GenerationRequest(prompt(), GREEDY))
+        await engine.idle()
+        before = model.evaluated
+        _, fin2 = await collect(engine, GenerationRequest(prompt(), GREEDY))
+        await engine.idle()
+    n = fin1.usage.prompt_tokens
+    assert fin2.usage.cached_tokens == n
+    assert fin2.text == fin1.text
+    # Only decode steps ran: one per generated token except the last (eos), plus the
+    # end-of-turn evaluation for the cache.
+    assert model.evaluated - before == fin2.usage.completion_tokens
+
+
+async def test_next_turn_reuses_generated_ids_and_evaluates_only_new_tokens(tok):
+    engine, model = make_engine(tok)
+    with engine:
+        _, fin1 = await collect(engine, GenerationRequest(prompt(), GREEDY))
+        turn2 = [
+            *prompt(),
+            T(fin1.text),
+            C("<|role_end|><role>HUMAN</role>"),
+            T("thanks"),
+            C("<|role_end|><role>ASSISTANT</role>"),
+        ]
+        await engine.idle()
+        before_calls = len(model.calls)
+        prefilled_before = engine.stats().prefill_tokens
+        _, fin2 = await collect(engine, GenerationRequest(turn2, GREEDY))
+        stats = engine.stats()
+    new_tokens = tok.encode_segments(
+        [C("<role>HUMAN</role>"), T("thanks"), C("<|role_end|><role>ASSISTANT</role>")]
+    )
+    assert fin2.usage.cached_tokens == fin2.usage.prompt_tokens - len(new_tokens)
+    assert stats.prefill_tokens - prefilled_before == len(new_tokens)
+    fed = [t for call in model.calls[before_calls:] for t in call]
+    assert fed[: len(new_tokens)] == new_tokens
+    assert stats.cache_hits == 1 and stats.cache_tokens_reused == fin2.usage.cached_tokens
+
+
+async def test_changed_system_prompt_misses(tok):
+    engine, _ = make_engine(tok)
+    with engine:
+        await collect(engine, GenerationRequest(prompt(system="be brief"), GREEDY))
+        _, fin = await collect(engine, GenerationRequest(prompt(system="be long"), GREEDY))
+    assert fin.usage.cached_tokens == 0
+
+
+async def test_edited_last_message_falls_back_to_the_header_snapshot(tok):
+    engine, _ = make_engine(tok)
+    with engine:
+        await collect(engine, GenerationRequest(prompt(user="say hello"), GREEDY))
+        _, fin = await collect(engine, GenerationRequest(prompt(user="say goodbye"), GREEDY))
+    header = tok.encode_segments([C("<role>SYSTEM</role>"), T("be brief"), C("<|role_end|>")])
+    assert fin.usage.cached_tokens == len(header)
+
+
+async def test_persistent_cache_survives_a_restart(tok, tmp_path):
+    kw = {"cache_dir": tmp_path, "snapshot_from_arrays": FakeSnapshot.from_arrays}
+    engine, _ = make_engine(tok, **kw)
+    with engine:
+        _, fin1 = await collect(engine, GenerationRequest(prompt(), GREEDY))
+    assert list(tmp_path.glob("*.l3snap"))
+    engine, _model = make_engine(tok, **kw)
+    with engine:
+        assert engine.stats().cache_bytes == 0  # lazily indexed, nothing loaded yet
+        _, fin2 = await collect(engine, GenerationRequest(prompt(), GREEDY))
+    assert fin2.usage.cached_tokens == fin1.usage.prompt_tokens
+    assert fin2.text == fin1.text
+
+
+async def test_seeded_sampling_is_reproducible(tok):
+    engine, model = make_engine(tok)
+    model._next = lambda h: (len(h) * 7) % 50 + 20  # never eos
+    sampling = SamplingParams(temperature=5.0, top_k=0, top_p=1.0, seed=42)
+    with engine:
+        _, a = await collect(engine, GenerationRequest(prompt(), sampling, max_tokens=12))
+        _, b = await collect(engine, GenerationRequest(prompt(), sampling, max_tokens=12))
+        other = SamplingParams(temperature=5.0, top_k=0, top_p=1.0, seed=7)
+        _, c = await collect(engine, GenerationRequest(prompt(), other, max_tokens=12))
+    assert a.text == b.text and a.text != c.text
+
+
+def test_close_is_idempotent_and_refuses_new_work(tok):
+    engine, _ = make_engine(tok)
+    engine.close()
+    engine.close()
+    assert not engine.ready
+
+    async def go():
+        with pytest.raises(EngineFailure):
+            await anext(engine.generate(GenerationRequest(prompt(), GREEDY)))
+
+    asyncio.run(go())
