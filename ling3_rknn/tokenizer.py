@@ -19,6 +19,9 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -75,11 +78,57 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
-class Tokenizer:
-    """Ling's tokenizer; see the module docstring for the encoding rules."""
+class _RunCache:
+    """LRU of encoded text runs, bounded by characters.
 
-    def __init__(self, spec: dict, source: str = "<memory>") -> None:
+    An agent loop re-sends the same system prompt, tools and history every turn; the text
+    between two special tokens encodes the same way every time, so only new turns cost BPE
+    work. Ids are stored as ``array('I')`` (4 bytes per id).
+    """
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._items: OrderedDict[str, array] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> array | None:
+        with self._lock:
+            ids = self._items.get(text)
+            if ids is not None:
+                self._items.move_to_end(text)
+            return ids
+
+    def put(self, text: str, ids: list[int]) -> None:
+        if len(text) > self.max_chars:
+            return
+        with self._lock:
+            if text in self._items:
+                return
+            self._items[text] = array("I", ids)
+            self._chars += len(text)
+            while self._chars > self.max_chars:
+                old, _ = self._items.popitem(last=False)
+                self._chars -= len(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._chars = 0
+
+
+class Tokenizer:
+    """Ling's tokenizer; see the module docstring for the encoding rules.
+
+    ``cache_chars`` bounds the run cache (0 disables it); 2M characters hold a long agent
+    session's prompt at about 2 MB of ids.
+    """
+
+    def __init__(
+        self, spec: dict, source: str = "<memory>", *, cache_chars: int = 2_000_000
+    ) -> None:
         self._source = source
+        self._cache = _RunCache(cache_chars) if cache_chars > 0 else None
         self._check_spec(spec)
         try:
             self._full = _HFTokenizer.from_str(json.dumps(spec))
@@ -121,7 +170,7 @@ class Tokenizer:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Tokenizer:
+    def from_file(cls, path: str | Path, *, cache_chars: int = 2_000_000) -> Tokenizer:
         p = Path(path)
         try:
             raw = p.read_text(encoding="utf-8")
@@ -133,7 +182,7 @@ class Tokenizer:
             spec = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise TokenizerError(f"{p}: not valid JSON: {exc}") from exc
-        return cls(spec, source=str(p))
+        return cls(spec, source=str(p), cache_chars=cache_chars)
 
     @staticmethod
     def _check_spec(spec: object) -> None:
@@ -205,6 +254,21 @@ class Tokenizer:
             raise TokenizerError(f"text {text[:60]!r} encodes to a control token id")
         return ids
 
+    def clear_cache(self) -> None:
+        if self._cache is not None:
+            self._cache.clear()
+
+    def _encode_run(self, text: str) -> list[int] | array:
+        cache = self._cache
+        if cache is None or not text:
+            return self.encode_text(text)
+        hit = cache.get(text)
+        if hit is not None:
+            return hit
+        ids = self.encode_text(text)
+        cache.put(text, ids)
+        return ids
+
     def encode_segments(self, segments: Iterable[SegmentLike]) -> list[int]:
         """Typed segments -> ids; only CONTROL text may yield special tokens."""
         ids: list[int] = []
@@ -217,12 +281,12 @@ class Tokenizer:
             pos = 0
             for m in self._special_re.finditer(text):
                 pending.append(text[pos : m.start()])
-                ids.extend(self.encode_text("".join(pending)))
+                ids.extend(self._encode_run("".join(pending)))
                 pending.clear()
                 ids.append(self._special_ids[m.group()])
                 pos = m.end()
             pending.append(text[pos:])
-        ids.extend(self.encode_text("".join(pending)))
+        ids.extend(self._encode_run("".join(pending)))
         return ids
 
     # ---------------------------------------------------------------- decoding

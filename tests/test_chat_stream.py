@@ -46,7 +46,7 @@ def _case_kwargs(case):
     return kwargs.pop("tools", TOOLS), kwargs
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(st.sampled_from(CASES), st.data())
 def test_any_split_of_table_texts_gives_the_whole_text_result(case, data):
     text = case[1]
@@ -90,7 +90,7 @@ PIECES = [
 ]
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     st.lists(st.sampled_from(PIECES), max_size=30).map("".join),
     st.data(),

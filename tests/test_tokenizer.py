@@ -202,3 +202,24 @@ def test_marker_marked_non_special_is_still_protected(tmp_path):
     t = Tokenizer.from_file(p)
     assert t.special_ids["<tool_call>"] not in t.encode_text("x<tool_call>y")
     assert t.encode_segments([Seg("<tool_call>", True)]) == [t.special_ids["<tool_call>"]]
+
+
+def test_run_cache_gives_the_same_ids_and_stays_bounded():
+    path = FIXTURES / "ling-ids" / "tokenizer.json"
+    cached = Tokenizer.from_file(path, cache_chars=200)
+    plain = Tokenizer.from_file(path, cache_chars=0)
+    segments = [
+        Seg("<role>HUMAN</role>", True),
+        Seg("hello world " * 5, False),
+        Seg("<|role_end|>", True),
+    ]
+    first = cached.encode_segments(segments)
+    assert first == cached.encode_segments(segments) == plain.encode_segments(segments)
+    assert isinstance(first, list)
+    for i in range(50):  # far more text than the cache may hold
+        cached.encode_segments([Seg(f"text number {i} " * 3, False)])
+    assert cached._cache._chars <= 200
+    too_big = [Seg("x" * 500, False)]
+    assert cached.encode_segments(too_big) == plain.encode_segments(too_big)
+    cached.clear_cache()
+    assert cached._cache._chars == 0
