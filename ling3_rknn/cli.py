@@ -16,9 +16,12 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 API_KEY_ENV = "LING3_RKNN_API_KEY"
 DEFAULT_MODEL_ID = "ling-3.0-tiny"
+# The MLA latent cache grows with the context; 32K fits the CM3588's RAM next to the model.
+DEFAULT_MAX_CONTEXT = 32768
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
@@ -73,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-bytes", type=parse_size, metavar="N", help="prefix cache size")
     serve.add_argument("--cache-dir", type=Path, metavar="DIR", help="persist the prefix cache")
     serve.add_argument("--max-context", type=_positive_int, metavar="N", help="context limit")
-    serve.add_argument("--model-id", default=None, help=f"served model id ({DEFAULT_MODEL_ID})")
+    serve.add_argument(
+        "--model-id", default=None, help=f"served model id (default {DEFAULT_MODEL_ID})"
+    )
     serve.add_argument(
         "--model-alias",
         action="append",
@@ -95,7 +100,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, object]:
-    options: dict[str, object] = {"model_id": args.model_id or DEFAULT_MODEL_ID}
+    options: dict[str, object] = {}
+    if args.model_id is not None:
+        options["model_id"] = args.model_id
     if args.max_context is not None:
         options["max_context"] = args.max_context
     if args.cache_bytes is not None:
@@ -103,6 +110,18 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
     if args.cache_dir is not None:
         options["cache_dir"] = args.cache_dir
     return options
+
+
+def _engine(model: Any, tokenizer: Any, options: dict[str, object]) -> object:
+    """Defaults that depend on the model: the served id and a context limit that fits the
+    board's memory unless ``--max-context`` says otherwise."""
+    from ling3_rknn.engine import Engine
+
+    options = dict(options)
+    options.setdefault("model_id", DEFAULT_MODEL_ID)
+    if "max_context" not in options:
+        options["max_context"] = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    return Engine(model, tokenizer, **options)
 
 
 def make_loader(args: argparse.Namespace) -> Callable[[], object]:
@@ -127,19 +146,17 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
         tokenizer_path: Path = args.tokenizer or hf_dir / "tokenizer.json"
 
         def load_hf() -> object:
-            from ling3_rknn.engine import Engine
             from ling3_rknn.model import Model
             from ling3_rknn.tokenizer import Tokenizer
 
             if not tokenizer_path.is_file():
                 raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
-            return Engine(Model.from_hf(hf_dir), Tokenizer.from_file(tokenizer_path), **options)
+            return _engine(Model.from_hf(hf_dir), Tokenizer.from_file(tokenizer_path), options)
 
         return load_hf
     bundle_dir: Path = args.bundle
 
     def load_bundle() -> object:
-        from ling3_rknn.engine import Engine
         from ling3_rknn.model import Model
         from ling3_rknn.tokenizer import Tokenizer
 
@@ -151,9 +168,8 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
                 "this build cannot load bundles yet; serve an HF checkpoint with "
                 "--hf DIR --tokenizer FILE"
             )
-        return Engine(
-            from_bundle(bundle_dir), Tokenizer.from_file(bundle_dir / "tokenizer.json"), **options
-        )
+        tokenizer = Tokenizer.from_file(bundle_dir / "tokenizer.json")
+        return _engine(from_bundle(bundle_dir), tokenizer, options)
 
     return load_bundle
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -45,6 +52,10 @@ class _EngineCollector(Collector):
                 "Prompt tokens restored from the prefix cache instead of evaluated.",
             ),
             "npu_errors": (stats.npu_errors, "NPU failures seen by the engine."),
+            "engine_cancelled": (
+                stats.cancelled,
+                "Generations cancelled because their consumer went away.",
+            ),
         }
         for name, (value, doc) in counters.items():
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc)
@@ -59,7 +70,9 @@ class _EngineCollector(Collector):
                 _rate(stats.decode_tokens, stats.decode_seconds),
                 "Mean decode speed since start.",
             ),
-            "prefix_cache_bytes": (stats.cache_bytes, "Bytes held by the prefix cache."),
+            "prefix_cache_bytes": (stats.cache_bytes, "Bytes of snapshots held in memory."),
+            "prefix_cache_disk_bytes": (stats.cache_disk_bytes, "Bytes of snapshots on disk."),
+            "prefix_cache_entries": (stats.cache_entries, "Snapshots indexed (memory or disk)."),
             "queue_depth": (stats.queue_depth, "Generations waiting for the model."),
         }
         for name, (value, doc) in gauges.items():
@@ -76,6 +89,9 @@ class ServerMetrics:
     """One registry per app, so tests and several apps in one process never collide."""
 
     def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+        # No "<name>_created" timestamp series: noise for a single-process server
+        # (a process-wide prometheus-client switch; this server is its only user).
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
             f"{PREFIX}_http_requests",

@@ -1,0 +1,165 @@
+"""End to end with no test double: the demo model (tiny random Ling-3.0, vocab 1024, compact
+tokenizer) loaded by the real HF checkpoint loader, run by the real engine, served by the
+real server, driven by the official openai SDK over HTTP on 127.0.0.1; plus the
+``ling3-rknn serve`` process itself (start, health, a completion, SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+from server_harness import running_server
+
+from ling3_rknn.demo import load_demo_engine
+
+USER = [{"role": "user", "content": "Write a haiku about the NPU."}]
+
+
+@pytest.fixture
+async def client_and_engine():
+    engine = load_demo_engine(model_id="ling-3.0-tiny", max_context=256)
+    async with running_server(engine) as srv:
+        client = openai.AsyncOpenAI(base_url=srv.v1, api_key="none", max_retries=0)
+        try:
+            yield client, engine, srv
+        finally:
+            await client.close()
+
+
+async def test_real_engine_non_stream_stream_and_prefix_cache(client_and_engine):
+    client, engine, _ = client_and_engine
+    greedy = {"model": "ling-3.0-tiny", "messages": USER, "max_tokens": 12, "temperature": 0}
+    first = await client.chat.completions.create(**greedy)
+    second = await client.chat.completions.create(**greedy)
+    stream = await client.chat.completions.create(
+        **greedy, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+
+    choice = first.choices[0]
+    assert choice.finish_reason in ("length", "stop")
+    assert 1 <= first.usage.completion_tokens <= 12
+    assert first.usage.prompt_tokens > 10
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # The same prompt again restores the snapshot taken at the end of the first prompt.
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert engine.stats().cache_hits >= 1
+    # Greedy decoding: the same text whether restored from the cache or streamed.
+    whole = first.choices[0].message
+    for other in (second.choices[0].message,):
+        assert other.content == whole.content
+        assert (other.model_extra or {}).get("reasoning_content") == (whole.model_extra or {}).get(
+            "reasoning_content"
+        )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed_reasoning = "".join(
+        (d.model_extra or {}).get("reasoning_content") or "" for d in deltas
+    )
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert streamed_reasoning == ((whole.model_extra or {}).get("reasoning_content") or "")
+    assert streamed_content == (whole.content or "")
+    assert chunks[-1].usage.completion_tokens == first.usage.completion_tokens
+
+
+async def test_real_engine_context_overflow_is_compaction_signal(client_and_engine):
+    client, _, _ = client_and_engine
+    long = [{"role": "user", "content": "tool output line\n" * 200}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model="ling-3.0-tiny", messages=long)
+    assert info.value.code == "context_length_exceeded"
+    assert "maximum context length is 256 tokens" in info.value.message
+
+
+async def test_real_engine_disconnect_cancels_and_next_request_is_served(client_and_engine):
+    client, engine, srv = client_and_engine
+    payload = {
+        "model": "ling-3.0-tiny",
+        "messages": USER,
+        "max_tokens": 200,
+        "stream": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(srv.v1 + "/chat/completions", json=payload) as response,
+    ):
+        assert response.status == 200
+        await response.content.readline()  # the role chunk: generation is under way
+    deadline = time.monotonic() + 10
+    while engine.stats().cancelled < 1:
+        assert time.monotonic() < deadline, "generation was not cancelled"
+        await asyncio.sleep(0.02)
+    assert engine.stats().completion_tokens < 200
+    after = await client.chat.completions.create(
+        model="ling-3.0-tiny", messages=USER, max_tokens=3, temperature=0
+    )
+    assert after.usage.completion_tokens >= 1
+
+
+def _start_cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LING3_RKNN_API_KEY", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ling3_rknn.cli", "serve", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for_port(process: subprocess.Popen) -> int:
+    assert process.stderr is not None
+    for line in process.stderr:
+        found = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if found:
+            return int(found.group(1))
+    raise AssertionError(f"server exited with {process.wait()} before listening")
+
+
+async def test_cli_serve_demo_health_completion_and_sigterm():
+    process = _start_cli("--demo", "--port", "0", "--api-key", "k")
+    try:
+        port = await asyncio.to_thread(_wait_for_port, process)
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            for _ in range(500):
+                async with session.get(base + "/health") as r:
+                    if r.status == 200:
+                        break
+                    assert r.status == 503
+                await asyncio.sleep(0.02)
+            assert r.status == 200
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+        try:
+            (model,) = (await client.models.list()).data
+            done = await client.chat.completions.create(model=model.id, messages=USER, max_tokens=4)
+            assert done.usage.completion_tokens >= 1
+        finally:
+            await client.close()
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(process.wait, 20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_cli_exits_non_zero_when_the_model_cannot_load(tmp_path):
+    process = _start_cli("--hf", str(tmp_path / "missing"), "--port", "0")
+    try:
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1
+    assert "model failed to load" in err
