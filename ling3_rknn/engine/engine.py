@@ -13,7 +13,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from .api import (
     GenerationRequest,
     InvalidRequest,
     SamplingParams,
+    SegmentLike,
 )
 from .prefix_cache import PrefixCache
 from .prompt_encoder import PromptEncoder
@@ -194,6 +195,11 @@ class Engine:
                     return
         finally:
             job.cancel.set()  # no-op once finished; stops the worker within one token
+
+    def encode_prompt(self, segments: Sequence[SegmentLike]) -> list[int]:
+        """The ids the engine would evaluate for ``segments``, generated-id splices included
+        (diagnostics: shows why a turn hits or misses the prefix cache)."""
+        return self._encoder.encode(list(segments)).ids
 
     # -- lifecycle -----------------------------------------------------------------
 

@@ -65,7 +65,7 @@ def arrays_checksum(arrays: Mapping[str, np.ndarray]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes of every array, in name order."""
     h = hashlib.sha256()
     for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
+        a = np.asarray(arrays[name], order="C")
         h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
         h.update(memoryview(a).cast("B"))
     return h.hexdigest()
@@ -110,7 +110,7 @@ class SnapshotStore:
             _LOGITS: np.ascontiguousarray(logits, dtype=np.float32),
         }
         for name, value in state.items():
-            arrays[_STATE_PREFIX + name] = np.ascontiguousarray(value)
+            arrays[_STATE_PREFIX + name] = np.asarray(value, order="C")
         metadata = {
             "format": FORMAT,
             "fingerprint": self.fingerprint,
