@@ -327,18 +327,18 @@ async def test_unsupported_tool_choice_is_400(engine):
     assert error_of(text)["param"] == "tool_choice"
 
 
-async def test_bad_history_is_400_from_the_renderer(engine):
-    messages = [
-        {"role": "user", "content": "hi"},
-        {"role": "tool", "tool_call_id": "x", "content": "r"},
-    ]
-    payload = {**chat_body(), "messages": messages}
+async def test_history_the_renderer_refuses_is_400_naming_the_field(engine):
+    call = {"id": "c", "type": "function", "function": {"name": "", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
     async with running_server(engine) as srv, aiohttp.ClientSession() as s:
-        status, _, text = await post(s, srv.v1 + "/chat/completions", payload)
-    # Either the renderer accepts a tool result without a preceding call, or it names the field.
-    if status != 200:
-        assert status == 400
-        assert error_of(text)["type"] == "invalid_request_error"
+        status, _, text = await post(
+            s, srv.v1 + "/chat/completions", {**chat_body(), "messages": messages}
+        )
+    assert status == 400
+    error = error_of(text)
+    assert error["type"] == "invalid_request_error"
+    assert "function.name" in error["message"]
+    assert engine.requests == []
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -573,3 +573,43 @@ async def test_metrics_are_prometheus_text(engine):
         == 1
     )
     assert samples[("ling3_time_to_first_token_seconds_count", ())] == 2
+
+
+async def test_history_arguments_as_object_or_string_render_the_same(engine):
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}
+
+    def history(arguments) -> dict:
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "read", "arguments": arguments},
+        }
+        return chat_body(
+            tools=[tool],
+            messages=[
+                {"role": "user", "content": "read a.py"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning": "need it",
+                    "tool_calls": [call],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": "call_1",
+                    "content": [{"type": "text", "text": "x=1"}],
+                },
+            ],
+        )
+
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        for arguments in ('{"path": "a.py", "n": 2}', {"path": "a.py", "n": 2}):
+            status, _, text = await post(s, srv.v1 + "/chat/completions", history(arguments))
+            assert status == 200, text
+    first, second = ("".join(seg.text for seg in r.prompt) for r in engine.requests)
+    assert first == second
+    assert (
+        "<think>need it</think><tool_call>read\n<arg_key>path</arg_key>\n<arg_value>a.py" in first
+    )
+    assert "<arg_key>n</arg_key>\n<arg_value>2</arg_value>" in first
+    assert "<tool_response>\nx=1\n</tool_response>" in first
