@@ -223,3 +223,20 @@ def test_run_cache_gives_the_same_ids_and_stays_bounded():
     assert cached.encode_segments(too_big) == plain.encode_segments(too_big)
     cached.clear_cache()
     assert cached._cache._chars == 0
+
+
+def test_text_that_would_yield_a_control_id_is_refused(monkeypatch):
+    t = Tokenizer.from_file(FIXTURES / "compact" / "tokenizer.json")
+    hello = t.encode_text("hello")
+    monkeypatch.setattr(t, "_forbidden_ids", frozenset(hello[:1]))
+    with pytest.raises(TokenizerError, match="control token"):
+        t.encode_text("hello")
+
+
+def test_numpy_ids_decode(tok):
+    np = pytest.importorskip("numpy")
+    ids = tok.encode_text("numpy ids 東")
+    arr = np.array(ids, dtype=np.int64)
+    assert tok.decode(list(arr)) == "numpy ids 東"
+    d = tok.stream_decoder()
+    assert "".join(d.feed(i) for i in arr) + d.finish() == "numpy ids 東"

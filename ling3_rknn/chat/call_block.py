@@ -3,7 +3,10 @@
 Grammar (serving-protocol.md 1.2/1.5, llama.cpp's Ling 3 parser), after ``<tool_call>``:
 ``ws? NAME ws? ( <arg_key>KEY</arg_key> ws? <arg_value>VALUE</arg_value> ws? )* </tool_call>``.
 NAME must be a declared tool; every required parameter must appear, in any order; a value
-runs to the first ``</arg_value>``, so any other marker-like text inside it survives.
+runs to the first ``</arg_value>``, so any other marker-like text inside it survives. A key the
+schema does not declare is kept (typed as JSON if it parses, else text) rather than turning the
+whole call into content: the client's own validation then tells the model what was wrong. An
+empty or repeated key makes the block invalid (it is released as content, nothing is lost).
 The answer for a prefix is monotone: once INVALID or a match, more text never changes it,
 which is what keeps the streaming parser split-invariant.
 """
@@ -33,6 +36,8 @@ class _Verdict:
 
 
 NEED_MORE: Final = _Verdict("NEED_MORE")
+# Waiting inside an <arg_value>: only a later "<" (of </arg_value>) can change the verdict.
+NEED_MORE_IN_VALUE: Final = _Verdict("NEED_MORE_IN_VALUE")
 INVALID: Final = _Verdict("INVALID")
 
 
@@ -92,7 +97,7 @@ def match_call(text: str, tools: dict[str, ToolSpec], final: bool) -> CallMatch 
             start = pos + len(VALUE_OPEN)
             close = text.find(VALUE_CLOSE, start)
             if close < 0:
-                return pending
+                return INVALID if final else NEED_MORE_IN_VALUE
             args[key] = coerce_value(text[start:close], spec.params.get(key, frozenset()))
             pos = _skip_ws(text, close + len(VALUE_CLOSE))
             continue

@@ -25,7 +25,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .call_block import INVALID, NEED_MORE, OPEN, CallMatch, match_call
+from .call_block import (
+    INVALID,
+    NEED_MORE,
+    NEED_MORE_IN_VALUE,
+    OPEN,
+    VALUE_CLOSE,
+    CallMatch,
+    match_call,
+)
 from .parsed import (
     ContentDelta,
     ParsedMessage,
@@ -75,19 +83,35 @@ class StreamingParser:
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
         self._finished = False
+        # Inside a long argument value nothing can change until a "<" arrives; deltas are
+        # parked here instead of re-matching the growing block each time (keeps a 100K-char
+        # file argument linear instead of quadratic).
+        self._parked: list[str] = []
+        self._may_park = False
 
     # ------------------------------------------------------------------ public API
 
     def feed(self, delta: str) -> list[ParseEvent]:
         if self._finished:
             raise RuntimeError("feed() after finish()")
+        if self._may_park and "<" not in delta:
+            self._parked.append(delta)
+            return []
+        self._unpark()
         self._buf += delta
         self._run(final=False)
         return self._drain()
 
+    def _unpark(self) -> None:
+        self._may_park = False
+        if self._parked:
+            self._buf += "".join(self._parked)
+            self._parked = []
+
     def finish(self) -> list[ParseEvent]:
         if self._finished:
             return []
+        self._unpark()
         self._run(final=True)
         self._finished = True
         return self._drain()
@@ -195,6 +219,9 @@ class StreamingParser:
 
     def _in_call(self, final: bool) -> bool:
         verdict = match_call(self._buf, self._tools, final)
+        if verdict is NEED_MORE_IN_VALUE:
+            self._may_park = "<" not in self._buf[-(len(VALUE_CLOSE) - 1) :]
+            return False
         if verdict is NEED_MORE:
             return False
         if verdict is INVALID:
