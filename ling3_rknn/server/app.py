@@ -222,7 +222,7 @@ async def _whole(request: web.Request, completion: Completion, model: str) -> we
         else:
             done = event
     assert done is not None
-    metrics.completions.labels("false", done.finish_reason).inc()
+    _log_completion(request, metrics, False, done, started)
     body = message.body(
         new_completion_id(), model, int(time.time()), done.finish_reason, done.usage
     )
@@ -245,7 +245,7 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
         writer.start_keep_alive()
         try:
             await writer.send(chunks.role())
-            await _stream_events(writer, chunks, completion, first, metrics, started)
+            await _stream_events(request, writer, chunks, completion, first, started)
         except ApiError as exc:
             await writer.send(exc.body())
         except asyncio.CancelledError:
@@ -274,13 +274,14 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
 
 
 async def _stream_events(
+    request: web.Request,
     writer: SseWriter,
     chunks: ChunkFactory,
     completion: Completion,
     first: asyncio.Future,
-    metrics: ServerMetrics,
     started: float,
 ) -> None:
+    metrics = request.app[_METRICS]
     await first
     metrics.time_to_first_token.observe(time.monotonic() - started)
     async for event in completion.events():
@@ -295,7 +296,24 @@ async def _stream_events(
             if chunks.include_usage:
                 await writer.send(chunks.usage(event.usage))
             await writer.write(DONE)
-            metrics.completions.labels("true", event.finish_reason).inc()
+            _log_completion(request, metrics, True, event, started)
+
+
+def _log_completion(
+    request: web.Request, metrics: ServerMetrics, stream: bool, done: DoneOut, started: float
+) -> None:
+    metrics.completions.labels(str(stream).lower(), done.finish_reason).inc()
+    usage = done.usage
+    log.info(
+        "%s completion stream=%s finish=%s prompt=%d cached=%d completion=%d %.0fms",
+        request[_RID],
+        stream,
+        done.finish_reason,
+        usage.prompt_tokens,
+        usage.cached_tokens,
+        usage.completion_tokens,
+        (time.monotonic() - started) * 1000,
+    )
 
 
 def _shutdown_error() -> ApiError:
