@@ -186,7 +186,7 @@ async def test_persisted_prefix_is_reused_after_restart_and_foreign_files_are_dr
 ):
     spy = SpyModel(model)
     with engine_for(spy, tok, cache_dir=tmp_path, weights_identity="bundle-1") as engine:
-        history, _fin1, _gen_ids = await turn_one(engine, tok)
+        history, _fin1, gen_ids = await turn_one(engine, tok)
     files = sorted(tmp_path.glob("*.l3snap"))
     assert files
 
@@ -194,9 +194,14 @@ async def test_persisted_prefix_is_reused_after_restart_and_foreign_files_are_dr
     turn2 = render(with_tool_result(history), TOOLS, enable_thinking=False)
     with engine_for(spy2, tok, cache_dir=tmp_path, weights_identity="bundle-1") as engine:
         assert engine.stats().cache_entries == len(files)
+        ids2 = engine.encode_prompt(turn2)
         fin2, _ = await run(engine, turn2, 2)
-        ids2 = engine.encode_prompt(turn2)  # splice memory is per process: a fresh encoding
-    assert fin2.usage.cached_tokens > 0
+    # The transcript persisted with the end-of-turn snapshot still splices the generated
+    # ids after the restart, so turn 2 again evaluates only its new tokens.
+    prompt1 = tok.encode_segments(render(history[:2], TOOLS, enable_thinking=False))
+    spliced = [*prompt1, *gen_ids, tok.eos_id]
+    assert ids2[: len(spliced)] == spliced
+    assert fin2.usage.cached_tokens == len(spliced)
     cold = cold_logits(model, ids2)
     assert any(np.allclose(r, cold, rtol=1e-5, atol=1e-5) for r in spy2.last_rows)
 

@@ -115,3 +115,16 @@ def test_longest_transcript_wins_and_capacity_is_bounded(tok):
     assert third.spliced_tokens == len(second.ids) + len(gen2) + 1
     enc.remember(third, "x", [5], tok.eos_id)
     assert len(enc) == 2
+
+
+def test_transcript_note_round_trip_and_junk_is_refused(tok):
+    enc = PromptEncoder(tok, "<|role_end|>")
+    first = enc.encode(turn1())
+    gen = generated_ids(tok)
+    record = enc.remember(first, tok.decode(gen), gen, tok.eos_id)
+    restarted = PromptEncoder(tok, "<|role_end|>")
+    assert restarted.restore_note(PromptEncoder.note_of(record), record.ids)
+    assert restarted.encode(turn2()).ids == enc.encode(turn2()).ids
+    for junk in ("", "{}", "[1]", '{"transcript": 1, "text": "no marker", '
+                 '"prompt_chars": 0, "prompt_spans": []}', '{"transcript": 2}'):
+        assert not restarted.restore_note(junk, [1, 2])

@@ -243,3 +243,17 @@ def test_fingerprint_depends_on_config_and_weights():
 def test_store_refuses_missing_store_callbacks(tmp_path):
     with pytest.raises(ValueError):
         PrefixCache(100, store=SnapshotStore(tmp_path, "x"))
+
+
+def test_notes_survive_a_restart_and_a_tampered_note_drops_the_file(tmp_path):
+    c = make(tmp_path, background_writes=False)
+    c.insert([1, 2], snap(1), row(1), note='{"x": 1}')
+    c.insert([3], snap(2), row(2))
+    assert make(tmp_path).notes() == [((1, 2), '{"x": 1}')]
+
+    path = SnapshotStore(tmp_path, "fp-a").path_for((1, 2))
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'{\\"x\\": 1}', b'{\\"x\\": 2}'))
+    fresh = make(tmp_path)
+    assert fresh.notes() == [] and fresh.paths() == [(3,)]
+    assert not path.exists()

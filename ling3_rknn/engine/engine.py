@@ -77,6 +77,9 @@ class Engine:
         self._cache = self._build_cache(
             model, cache_bytes, cache_dir, cache_disk_bytes, weights_identity, snapshot_from_arrays
         )
+        if self._cache is not None:  # turns generated before a restart still splice
+            for path, note in self._cache.notes():
+                self._encoder.restore_note(note, path)
         self._counters = Counters()
         self._runner = Runner(
             model,

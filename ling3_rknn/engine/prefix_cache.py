@@ -57,7 +57,17 @@ class CacheCounters:
 
 
 class _Entry:
-    __slots__ = ("hits", "last_used", "logits", "nbytes", "node", "snapshot", "stored", "writing")
+    __slots__ = (
+        "hits",
+        "last_used",
+        "logits",
+        "nbytes",
+        "node",
+        "note",
+        "snapshot",
+        "stored",
+        "writing",
+    )
 
     def __init__(self, node: _Node) -> None:
         self.node = node
@@ -68,6 +78,7 @@ class _Entry:
         self.writing = False
         self.last_used = 0
         self.hits = 0
+        self.note = ""
 
     @property
     def resident(self) -> bool:
@@ -133,9 +144,9 @@ class PrefixCache:
         self._lookups = 0
         self._hits = 0
         self._disk_errors = 0
-        self._writes: queue.Queue[tuple[_Entry, tuple[int, ...], np.ndarray, Any] | None] = (
-            queue.Queue(maxsize=_WRITE_QUEUE)
-        )
+        self._writes: queue.Queue[
+            tuple[_Entry, tuple[int, ...], np.ndarray, Any, str] | None
+        ] = queue.Queue(maxsize=_WRITE_QUEUE)
         self._writer: threading.Thread | None = None
         self._sync_writes = not background_writes
         if store is not None:
@@ -162,8 +173,11 @@ class PrefixCache:
                 return CacheHit(entry.node.depth, entry.snapshot, entry.logits)
             return None
 
-    def insert(self, tokens: Sequence[int], snapshot: Any, logits: np.ndarray) -> bool:
-        """Remember ``snapshot`` (state after ``tokens``) and its last logits row.
+    def insert(
+        self, tokens: Sequence[int], snapshot: Any, logits: np.ndarray, note: str = ""
+    ) -> bool:
+        """Remember ``snapshot`` (state after ``tokens``) and its last logits row; ``note``
+        is kept with it on disk and handed back by ``notes()`` after a restart.
 
         Returns False when it cannot be held (bigger than the whole budget)."""
         if not tokens:
@@ -182,6 +196,7 @@ class PrefixCache:
             if not entry.resident:
                 entry.snapshot, entry.logits, entry.nbytes = snapshot, row, nbytes
                 self._bytes += nbytes
+            entry.note = note or entry.note
             self._touch(entry)
             self._evict_memory(keep=entry)
             persist = (
@@ -193,7 +208,7 @@ class PrefixCache:
             if persist:
                 entry.writing = True
         if persist:
-            self._persist(entry, key, row, snapshot)
+            self._persist(entry, key, row, snapshot, entry.note)
         return True
 
     def counters(self) -> CacheCounters:
@@ -208,6 +223,11 @@ class PrefixCache:
                 disk_bytes=self._disk_bytes,
                 disk_errors=self._disk_errors,
             )
+
+    def notes(self) -> list[tuple[tuple[int, ...], str]]:
+        """(token path, note) of every entry that carries a note."""
+        with self._lock:
+            return [(e.node.path(), e.note) for e in self._entries if e.note]
 
     def paths(self) -> list[tuple[int, ...]]:
         """Token paths of every entry (diagnostics and tests)."""
@@ -336,6 +356,7 @@ class PrefixCache:
                 continue
             entry = node.entry = _Entry(node)
             entry.stored = stored
+            entry.note = stored.note
             self._entries.add(entry)
             self._disk_bytes += stored.nbytes
         self._evict_disk()
@@ -369,7 +390,7 @@ class PrefixCache:
         return True
 
     def _persist(
-        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any
+        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any, note: str
     ) -> None:
         assert self._to_arrays is not None
         try:
@@ -380,10 +401,10 @@ class PrefixCache:
                 entry.writing = False
             return
         if self._sync_writes:
-            self._write_one(entry, key, row, arrays)
+            self._write_one(entry, key, row, arrays, note)
             return
         try:
-            self._writes.put_nowait((entry, key, row, arrays))
+            self._writes.put_nowait((entry, key, row, arrays, note))
         except queue.Full:
             log.info("prefix cache: disk writer busy; snapshot kept in memory only")
             with self._lock:
@@ -400,11 +421,11 @@ class PrefixCache:
                 self._writes.task_done()
 
     def _write_one(
-        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, arrays: Any
+        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, arrays: Any, note: str
     ) -> None:
         assert self._store is not None
         try:
-            stored = self._store.write(key, row, arrays)
+            stored = self._store.write(key, row, arrays, note)
         except Exception as exc:  # disk full, permissions: the cache stays memory-only
             log.warning("prefix cache: cannot write snapshot: %s", exc)
             stored = None

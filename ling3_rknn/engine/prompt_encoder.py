@@ -20,6 +20,7 @@ every part that is encoded afresh.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -114,7 +115,7 @@ class PromptEncoder:
 
     def remember(
         self, prompt: EncodedPrompt, generated_text: str, generated_ids: Sequence[int], eos_id: int
-    ) -> None:
+    ) -> Transcript:
         """Record a finished turn whose re-rendering ends with the end-of-turn marker."""
         record = Transcript(
             text=prompt.typed.text + generated_text + self._eos_text,
@@ -122,6 +123,42 @@ class PromptEncoder:
             prompt_spans=prompt.typed.control_spans,
             ids=(*prompt.ids, *generated_ids, eos_id),
         )
+        self._add(record)
+        return record
+
+    @staticmethod
+    def note_of(record: Transcript) -> str:
+        """The transcript without its ids (they are the snapshot's token path) as JSON."""
+        return json.dumps(
+            {
+                "transcript": 1,
+                "text": record.text,
+                "prompt_chars": record.prompt_chars,
+                "prompt_spans": [list(s) for s in record.prompt_spans],
+            },
+            ensure_ascii=False,
+        )
+
+    def restore_note(self, note: str, ids: Sequence[int]) -> bool:
+        """Re-learn a transcript persisted with a snapshot; False if ``note`` is not one."""
+        try:
+            data = json.loads(note)
+            record = Transcript(
+                text=str(data["text"]),
+                prompt_chars=int(data["prompt_chars"]),
+                prompt_spans=tuple((int(a), int(b)) for a, b in data["prompt_spans"]),
+                ids=tuple(int(t) for t in ids),
+            )
+        except (ValueError, KeyError, TypeError):
+            return False
+        if data.get("transcript") != 1 or not record.text.endswith(self._eos_text):
+            return False
+        if not 0 <= record.prompt_chars <= len(record.text) or not record.ids:
+            return False
+        self._add(record)
+        return True
+
+    def _add(self, record: Transcript) -> None:
         with self._lock:
             self._transcripts.pop(record.text, None)
             self._transcripts[record.text] = record

@@ -162,11 +162,11 @@ class Runner:
         except Exception:  # keep the old object; it is restored before every request
             log.exception("engine: cannot create a fresh state after a model failure")
 
-    def _snapshot(self, ids: Sequence[int], logits: np.ndarray) -> None:
+    def _snapshot(self, ids: Sequence[int], logits: np.ndarray, note: str = "") -> None:
         if self._cache is None:
             return
         try:
-            self._cache.insert(ids, self._state.snapshot(), logits)
+            self._cache.insert(ids, self._state.snapshot(), logits, note)
         except Exception:  # the cache is an optimisation: never fail a request for it
             log.exception("engine: snapshot at %d tokens failed", len(ids))
 
@@ -321,7 +321,7 @@ class Runner:
         full = [*prompt.ids, *body, self._eos_id]
         if len(full) > self._options.max_context:
             return
-        self._encoder.remember(prompt, text, body, self._eos_id)
+        record = self._encoder.remember(prompt, text, body, self._eos_id)
         if self._cache is None:
             return
         t0 = time.perf_counter()
@@ -333,7 +333,7 @@ class Runner:
         with self._counters.lock:
             self._counters.decode_tokens += len(feed)
             self._counters.decode_seconds += time.perf_counter() - t0
-        self._snapshot(full, logits)
+        self._snapshot(full, logits, self._encoder.note_of(record))
 
 
 def _tokenizer_vocab(tokenizer: Any, fallback: int) -> int:

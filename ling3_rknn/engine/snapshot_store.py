@@ -71,6 +71,13 @@ def arrays_checksum(arrays: Mapping[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
+def _note_checksum(note: str, tokens: tuple[int, ...]) -> str:
+    """Notes are read at start-up, before the arrays' checksum is ever checked."""
+    h = hashlib.sha256(note.encode())
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class StoredSnapshot:
     """Index entry of one file: enough to place it in the trie without reading arrays."""
@@ -78,6 +85,7 @@ class StoredSnapshot:
     path: Path
     tokens: tuple[int, ...]
     nbytes: int  # size of the file
+    note: str = ""  # caller's annotation (the engine keeps its turn transcript here)
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,11 @@ class SnapshotStore:
     # -- writing -------------------------------------------------------------------
 
     def write(
-        self, tokens: tuple[int, ...], logits: np.ndarray, state: Mapping[str, np.ndarray]
+        self,
+        tokens: tuple[int, ...],
+        logits: np.ndarray,
+        state: Mapping[str, np.ndarray],
+        note: str = "",
     ) -> StoredSnapshot:
         """Write one snapshot atomically; returns its index entry."""
         arrays: dict[str, np.ndarray] = {
@@ -116,6 +128,9 @@ class SnapshotStore:
             "fingerprint": self.fingerprint,
             "checksum": arrays_checksum(arrays),
         }
+        if note:
+            metadata["note"] = note
+            metadata["note_checksum"] = _note_checksum(note, tokens)
         final = self.path_for(tokens)
         tmp = final.with_name(f"{final.name}.{os.getpid()}{_TMP_SUFFIX}")
         try:
@@ -130,7 +145,7 @@ class SnapshotStore:
             tmp.unlink(missing_ok=True)
             raise
         self._sync_directory()
-        return StoredSnapshot(final, tuple(tokens), final.stat().st_size)
+        return StoredSnapshot(final, tuple(tokens), final.stat().st_size, note)
 
     def _sync_directory(self) -> None:
         try:
@@ -180,7 +195,10 @@ class SnapshotStore:
         key = tuple(int(t) for t in tokens)
         if self.path_for(key).name != path.name:
             raise SnapshotFileError("file name does not match its token path")
-        return StoredSnapshot(path, key, path.stat().st_size)
+        note = meta.get("note", "")
+        if note and meta.get("note_checksum") != _note_checksum(note, key):
+            raise SnapshotFileError("note checksum mismatch")
+        return StoredSnapshot(path, key, path.stat().st_size, note)
 
     def _check_metadata(self, meta: Mapping[str, str]) -> None:
         if meta.get("format") != FORMAT:
