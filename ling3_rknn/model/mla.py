@@ -75,26 +75,32 @@ def _attend(
     q: np.ndarray, blocks: Sequence[np.ndarray], visible: int, first_pos: int, h: int, r: int
 ) -> np.ndarray:
     """Softmax attention of query rows ``q`` [n*h, r+d_r] (positions first_pos..) over
-    the first ``visible`` cache rows, block by block (no copy of the cache)."""
-    scores = np.empty((q.shape[0], visible), dtype=np.float32)
+    the first ``visible`` cache rows, block by block (no copy of the cache).
+
+    Scores are kept key-major ([keys, queries]) so each block writes contiguous rows and
+    both products run as (block @ q^T) and (block^T @ p): measured ~2x faster with
+    OpenBLAS here than the query-major orientation for the 16-column decode case.
+    """
+    q_t = np.ascontiguousarray(q.T)
+    scores = np.empty((visible, q.shape[0]), dtype=np.float32)
     spans = []
     pos = 0
     for block in blocks:
         if pos >= visible:
             break
         n = min(block.shape[0], visible - pos)
-        np.matmul(q, block[:n].T, out=scores[:, pos : pos + n])
+        np.matmul(block[:n], q_t, out=scores[pos : pos + n])
         spans.append((block, pos, n))
         pos += n
     n_queries = q.shape[0] // h
     if n_queries > 1:  # causal mask inside the new tokens; decode sees everything
         q_pos = first_pos + np.arange(n_queries).repeat(h)
-        future = np.arange(visible)[None, :] > q_pos[:, None]
+        future = np.arange(visible)[:, None] > q_pos[None, :]
         scores[future] = -np.inf
-    scores -= scores.max(axis=1, keepdims=True)
+    scores -= scores.max(axis=0)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=1, keepdims=True)
-    ctx = np.zeros((q.shape[0], r), dtype=np.float32)
+    scores /= scores.sum(axis=0)
+    ctx = np.zeros((r, q.shape[0]), dtype=np.float32)
     for block, pos, n in spans:
-        ctx += scores[:, pos : pos + n] @ block[:n, :r]
-    return ctx
+        ctx += block[:n, :r].T @ scores[pos : pos + n]
+    return ctx.T
