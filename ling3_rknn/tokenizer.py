@@ -130,16 +130,26 @@ class Tokenizer:
         self._source = source
         self._cache = _RunCache(cache_chars) if cache_chars > 0 else None
         self._check_spec(spec)
+        added = spec["added_tokens"] or []
+        # TEXT must not produce: every special-flagged added token plus the template markers.
+        # They are all flagged special in the one library tokenizer we keep, which is then told
+        # not to match special tokens: CONTROL text finds them with our own regex instead.
+        forbidden = {
+            e["content"] for e in added if e.get("special") or e["content"] in CONTROL_TOKEN_NAMES
+        }
+        text_spec = dict(spec)
+        text_spec["added_tokens"] = [
+            {**e, "special": True} if e["content"] in forbidden else e for e in added
+        ]
         try:
-            self._full = _HFTokenizer.from_str(json.dumps(spec))
+            self._text = _HFTokenizer.from_str(json.dumps(text_spec))
         except Exception as exc:  # the Rust side raises a bare Exception
             raise TokenizerError(f"{source}: tokenizers cannot load it: {exc}") from exc
 
-        added = spec.get("added_tokens") or []
         self._special_ids: dict[str, int] = {}
         for entry in added:
             name, want = entry["content"], entry["id"]
-            got = self._full.token_to_id(name)
+            got = self._text.token_to_id(name)
             if got != want:
                 raise TokenizerError(
                     f"{source}: added token {name!r} declares id {want} but resolves to {got} "
@@ -149,15 +159,6 @@ class Tokenizer:
         if EOS_NAME not in self._special_ids:
             raise TokenizerError(f"{source}: no {EOS_NAME} added token (Ling's end of turn)")
 
-        # TEXT must not produce: every special-flagged added token plus the template markers.
-        forbidden = {
-            e["content"] for e in added if e.get("special") or e["content"] in CONTROL_TOKEN_NAMES
-        }
-        text_spec = json.loads(json.dumps(spec))
-        for entry in text_spec.get("added_tokens") or []:
-            if entry["content"] in forbidden:
-                entry["special"] = True
-        self._text = _HFTokenizer.from_str(json.dumps(text_spec))
         self._text.encode_special_tokens = True
         self._forbidden_ids = frozenset(self._special_ids[n] for n in forbidden)
 
@@ -202,7 +203,7 @@ class Tokenizer:
                 "the streaming detokenizer needs a ByteLevel decoder"
             )
         added = spec.get("added_tokens")
-        if added is not None and not (
+        if not (
             isinstance(added, list)
             and all(
                 isinstance(e, dict)
@@ -211,7 +212,10 @@ class Tokenizer:
                 for e in added
             )
         ):
-            raise TokenizerError("tokenizer.json: added_tokens must be a list of {id, content}")
+            raise TokenizerError(
+                "tokenizer.json: added_tokens must be a list of {id, content} "
+                f"(Ling's special tokens, {EOS_NAME} at least)"
+            )
 
     def _build_byte_table(self, spec: dict) -> dict[int, bytes]:
         table = _byte_decoder()

@@ -240,3 +240,27 @@ def test_numpy_ids_decode(tok):
     assert tok.decode(list(arr)) == "numpy ids 東"
     d = tok.stream_decoder()
     assert "".join(d.feed(i) for i in arr) + d.finish() == "numpy ids 東"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda s: s.pop("added_tokens"), "added_tokens"),
+        (
+            lambda s: s.update(
+                added_tokens=[e for e in s["added_tokens"] if "role_end" not in e["content"]]
+            ),
+            "role_end",
+        ),
+        (lambda s: s["model"].update(type="WordPiece"), "BPE"),
+        (lambda s: s["model"].pop("vocab"), "vocab"),
+        (lambda s: s.update(added_tokens=[{"id": "x", "content": 3}]), "added_tokens"),
+    ],
+)
+def test_unusable_specs_give_typed_errors(tmp_path, mutate, match):
+    spec = json.loads((FIXTURES / "compact" / "tokenizer.json").read_text())
+    mutate(spec)
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(spec))
+    with pytest.raises(TokenizerError, match=match):
+        Tokenizer.from_file(p)
