@@ -1,0 +1,214 @@
+"""CPU glue against straightforward references: KDA chunked vs per-token recurrence, the
+short conv in pieces, absorbed MLA vs expanded K/V attention, RoPE, and routing vs a
+literal transcription of transformers' router."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ling3_rknn.model.kda import kda_chunked, kda_recurrent, prepare_qkv, short_conv
+from ling3_rknn.model.mla import apply_rope, mla_attention, rope_angles
+from ling3_rknn.model.moe import NumpyExperts, route
+from ling3_rknn.model.stages import swiglu
+from ling3_rknn.model.state import BLOCK_TOKENS, LatentCache
+
+F32 = np.float32
+
+
+def kda_inputs(rng, t, h=3, d=16):
+    conv = rng.standard_normal((t, 3 * h * d)).astype(F32)
+    q, k, v = prepare_qkv(conv, h, d)
+    g = (-5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((t, h, d))))).astype(F32)
+    beta = rng.random((t, h)).astype(F32)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 65, 150])
+def test_chunked_kda_equals_recurrence(t):
+    rng = np.random.default_rng(t)
+    q, k, v, g, beta = kda_inputs(rng, t)
+    s0 = (0.3 * rng.standard_normal((3, 16, 16))).astype(F32)  # non-zero initial state
+    s_rec, s_chk = s0.copy(), s0.copy()
+    o_rec = kda_recurrent(q, k, v, g, beta, s_rec)
+    o_chk = kda_chunked(q, k, v, g, beta, s_chk)
+    np.testing.assert_allclose(o_chk, o_rec, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(s_chk, s_rec, atol=2e-5, rtol=0)
+
+
+def test_recurrence_matches_literal_delta_rule():
+    rng = np.random.default_rng(1)
+    q, k, v, g, beta = kda_inputs(rng, 20, h=2, d=8)
+    s = np.zeros((2, 8, 8), F32)
+    out = kda_recurrent(q, k, v, g, beta, s)
+    ref = np.zeros((2, 8, 8), np.float64)
+    for t in range(20):
+        for h in range(2):
+            ref[h] = np.diag(np.exp(g[t, h])) @ ref[h]
+            e = ref[h].T @ k[t, h]
+            ref[h] += np.outer(k[t, h], beta[t, h] * (v[t, h] - e))
+            np.testing.assert_allclose(out[t, h], ref[h].T @ q[t, h], atol=1e-5)
+    np.testing.assert_allclose(s, ref, atol=1e-5)
+
+
+def test_short_conv_in_pieces_equals_whole():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((30, 12)).astype(F32)
+    kernel = rng.standard_normal((12, 4)).astype(F32)
+    whole, tail = short_conv(x, np.zeros((3, 12), F32), kernel)
+    # literal causal conv with zero history
+    pad = np.concatenate([np.zeros((3, 12), F32), x])
+    lit = sum(pad[j : j + 30] * kernel[:, j] for j in range(4))
+    np.testing.assert_allclose(whole, lit / (1 + np.exp(-lit)), atol=1e-6)
+    np.testing.assert_array_equal(tail, x[-3:])
+    t, parts = np.zeros((3, 12), F32), []
+    for a, b in ((0, 1), (1, 2), (2, 17), (17, 30)):
+        out, t = short_conv(x[a:b], t, kernel)
+        parts.append(out)
+    np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-6)
+
+
+def hf_rope(x, cos, sin):
+    """transformers' apply_rotary_pos_emb_interleave: rotated pairs written de-interleaved."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def test_rope_scores_equal_transformers_layout():
+    rng = np.random.default_rng(3)
+    pos = np.arange(40, 50)
+    cos, sin = rope_angles(pos, 8, 6e6)
+    q = rng.standard_normal((10, 4, 8)).astype(F32)
+    k = rng.standard_normal((10, 1, 8)).astype(F32)
+    ours = np.einsum("thd,sd->ths", apply_rope(q, cos, sin), apply_rope(k[:, 0], cos, sin))
+    ref = np.einsum("thd,sd->ths", hf_rope(q, cos, sin), hf_rope(k, cos, sin)[:, 0])
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
+    # position 0 is the identity, and rotation preserves norms
+    c0, s0 = rope_angles(np.array([0]), 8, 6e6)
+    np.testing.assert_allclose(apply_rope(q[:1], c0, s0), q[:1], atol=1e-7)
+    np.testing.assert_allclose(
+        np.linalg.norm(apply_rope(q, cos, sin), axis=-1), np.linalg.norm(q, axis=-1), rtol=1e-5
+    )
+
+
+def naive_mla(q_nope, q_rope, rows, w_kb, w_vb, scale):
+    """Expanded K/V attention as transformers computes it (float64)."""
+    r = w_kb.shape[2]
+    t, h = q_nope.shape[:2]
+    c_kv, k_rope = rows[:, :r].astype(np.float64), rows[:, r:].astype(np.float64)
+    k_nope = np.einsum("hnr,sr->shn", w_kb, c_kv)
+    v = np.einsum("hvr,sr->shv", w_vb, c_kv)
+    n = len(rows)
+    out = np.zeros((t, h, w_vb.shape[1]))
+    for i in range(t):
+        p = n - t + i  # absolute position of query i
+        s = np.einsum("hn,shn->hs", q_nope[i], k_nope[: p + 1]) + q_rope[i] @ k_rope[: p + 1].T
+        s = s * scale
+        w = np.exp(s - s.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+        out[i] = np.einsum("hs,shv->hv", w, v[: p + 1])
+    return out
+
+
+@pytest.mark.parametrize(("context", "t"), [(1, 1), (300, 1), (300, 70), (600, 130)])
+def test_absorbed_mla_equals_expanded(context, t):
+    rng = np.random.default_rng(context + t)
+    h, dn, dr, dv, r = 4, 6, 4, 10, 12
+    rows = rng.standard_normal((context, r + dr)).astype(F32)
+    cache = LatentCache(r + dr)
+    cache.append(rows[: context - t])
+    cache.append(rows[context - t :])
+    assert len(cache.blocks()) == -(-context // BLOCK_TOKENS)
+    q_nope = rng.standard_normal((t, h, dn)).astype(F32)
+    q_rope = rng.standard_normal((t, h, dr)).astype(F32)
+    w_kb = rng.standard_normal((h, dn, r)).astype(F32)
+    w_vb = rng.standard_normal((h, dv, r)).astype(F32)
+    got = mla_attention(q_nope, q_rope, cache.blocks(), cache.length, w_kb, w_vb, 0.3)
+    ref = naive_mla(q_nope, q_rope, rows, w_kb, w_vb, 0.3)
+    np.testing.assert_allclose(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def hf_route(logits, bias, n_group, topk_group, top_k, normalize, scaling):
+    """Literal per-token transcription of BailingHybridTopkRouter.forward (float64)."""
+    ids, weights = [], []
+    for z in logits.astype(np.float64):
+        s = 1 / (1 + np.exp(-z))
+        c = s + bias
+        groups = c.reshape(n_group, -1)
+        gscore = np.sort(groups, axis=1)[:, -2:].sum(axis=1)
+        keep = np.argsort(-gscore, kind="stable")[:topk_group]
+        masked = np.full_like(c, -np.inf)
+        for g in keep:
+            sl = slice(g * groups.shape[1], (g + 1) * groups.shape[1])
+            masked[sl] = c[sl]
+        pick = np.argsort(-masked, kind="stable")[:top_k]
+        w = s[pick]
+        if normalize:
+            w = w / (w.sum() + 1e-20)
+        ids.append(sorted(pick.tolist()))
+        weights.append(dict(zip(pick.tolist(), (w * scaling).tolist(), strict=True)))
+    return ids, weights
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    shape=st.sampled_from(
+        [(8, 4, 2, 2), (16, 4, 2, 4), (128, 8, 4, 8), (8, 1, 1, 3), (6, 3, 3, 2)]
+    ),
+    normalize=st.booleans(),
+    t=st.integers(1, 5),
+)
+def test_routing_matches_transformers(seed, shape, normalize, t):
+    e, n_group, topk_group, top_k = shape
+    rng = np.random.default_rng(seed)
+    logits = (2 * rng.standard_normal((t, e))).astype(F32)
+    bias = (0.1 * rng.standard_normal(e)).astype(F32)
+    ids, w = route(
+        logits,
+        bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        top_k=top_k,
+        normalize=normalize,
+        scaling=2.5,
+    )
+    ref_ids, ref_w = hf_route(logits, bias, n_group, topk_group, top_k, normalize, 2.5)
+    assert ids.shape == w.shape == (t, top_k) and w.dtype == np.float32
+    for row in range(t):
+        assert sorted(ids[row].tolist()) == ref_ids[row]
+        for e_id, weight in zip(ids[row].tolist(), w[row].tolist(), strict=True):
+            assert weight == pytest.approx(ref_w[row][e_id], rel=1e-5)
+
+
+def test_expert_bias_steers_selection_but_not_weights():
+    logits = np.zeros((1, 8), F32)
+    bias = np.array([0, 0, 0, 0, 0, 0, 1.0, 2.0], F32)
+    ids, w = route(logits, bias, n_group=1, topk_group=1, top_k=2, normalize=False, scaling=1.0)
+    assert sorted(ids[0].tolist()) == [6, 7]
+    np.testing.assert_allclose(w, 0.5)  # sigmoid(0), the unbiased score
+
+
+def test_numpy_experts_batch_equals_per_token():
+    rng = np.random.default_rng(5)
+    d, inter, e = 8, 6, 5
+    table = {
+        i: (
+            rng.standard_normal((2 * inter, d)).astype(F32),
+            rng.standard_normal((d, inter)).astype(F32),
+        )
+        for i in range(e)
+    }
+    experts = NumpyExperts(lambda layer, i: table[i])
+    x = rng.standard_normal((7, d)).astype(F32)
+    ids = np.array([rng.choice(e, 2, replace=False) for _ in range(7)])
+    w = rng.random((7, 2)).astype(F32)
+    batch = experts(1, x, ids, w)
+    for t in range(7):
+        single = experts(1, x[t : t + 1], ids[t : t + 1], w[t : t + 1])
+        ref = sum(w[t, j] * swiglu(x[t], *table[ids[t, j]]) for j in range(2))
+        np.testing.assert_allclose(single[0], ref, atol=1e-5)
+        np.testing.assert_allclose(batch[t], ref, atol=1e-5)
