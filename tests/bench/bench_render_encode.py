@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -163,15 +164,22 @@ def main() -> None:
         tok.clear_cache()
         tok.encode_segments(render(previous, tools))
 
+    # Baseline: the library alone encoding the finished string once (no trust boundary).
+    from tokenizers import Tokenizer as LibraryTokenizer
+
+    library = LibraryTokenizer.from_file(str(args.tokenizer))
+    library_ms = _time(lambda: library.encode(text, add_special_tokens=False), args.repeats)
     render_ms = _time(lambda: render(messages, tools), args.repeats)
     cold_ms = _time(cold, args.repeats)
     warm_ms = []
     for _ in range(args.repeats):
         warm_setup()
         warm_ms += _time(lambda: tok.encode_segments(render(messages, tools)), 1)
+    print(_fmt("baseline: tokenizers.encode(text)", library_ms))
     print(_fmt("render", render_ms))
     print(_fmt("render+encode cold (empty run cache)", cold_ms))
     print(_fmt("render+encode next agent turn (warm)", warm_ms))
+    print(f"host load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
