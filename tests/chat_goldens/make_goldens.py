@@ -412,6 +412,75 @@ CASES = [
         tools=_opencode_tools(),
     ),
     case(
+        "assistant_newline_only_content_with_call",
+        [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": "\n",
+                "reasoning_content": "r",
+                "tool_calls": [
+                    {
+                        "id": "a",
+                        "type": "function",
+                        "function": {"name": "read", "arguments": {"path": "p"}},
+                    }
+                ],
+            },
+        ],
+        tools=[READ],
+        add_generation_prompt=False,
+    ),
+    case(
+        "assistant_whitespace_only_reasoning",
+        [U, {"role": "assistant", "content": "\n\nx", "reasoning_content": "\n"}],
+        add_generation_prompt=False,
+    ),
+    case(
+        "bare_tool_call_without_function_wrapper",
+        [
+            U,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"name": "read", "arguments": {"path": "bare.py"}}],
+            },
+        ],
+        tools=[READ],
+        add_generation_prompt=False,
+    ),
+    case(
+        "string_arguments_that_look_like_json_and_multiline",
+        [
+            U,
+            {
+                "role": "assistant",
+                "content": "ok",
+                "tool_calls": [
+                    {
+                        "id": "a",
+                        "type": "function",
+                        "function": {
+                            "name": "bash",
+                            "arguments": json.dumps(
+                                {
+                                    "command": 'cat <<EOF\n{"a": 1}\nEOF',
+                                    "timeout": 10,
+                                    "env": {"K": "v"},
+                                    "raw": "123",
+                                    "none": None,
+                                }
+                            ),
+                        },
+                    }
+                ],
+            },
+        ],
+        tools=[BASH],
+        add_generation_prompt=False,
+    ),
+    case("empty_tools_list_is_no_tools", [{"role": "system", "content": "S"}, U], tools=[]),
+    case(
         "tool_first_observation_only",
         [{"role": "tool", "content": "orphan result"}, {"role": "user", "content": "hm"}],
     ),
@@ -430,7 +499,7 @@ def _normalize(messages: list[dict]) -> list[dict]:
         if m.get("content") is None:
             m["content"] = ""
         for call in m.get("tool_calls") or []:
-            fn = call["function"]
+            fn = call.get("function") or call
             if isinstance(fn.get("arguments"), str):
                 fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
         out.append(m)
