@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,46 @@ def test_render_does_not_mutate_the_request():
     snapshot = json.dumps(msgs)
     render(msgs)
     assert json.dumps(msgs) == snapshot
+
+
+_LITERALS = sorted(
+    [
+        "<role>SYSTEM</role>",
+        "<role>HUMAN</role>",
+        "<role>ASSISTANT</role>",
+        "<role>OBSERVATION</role>",
+        "<|role_end|>",
+        "\n<think>",
+        "</think>",
+        "<think></think>",
+        "detailed thinking on",
+        "detailed thinking off",
+        "\n",
+        "<tool_call>",
+        "<arg_key>",
+        "</arg_key>\n<arg_value>",
+        "</arg_value>",
+        "\n</tool_call>",
+        "\n<tool_response>\n",
+        "\n</tool_response>",
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+        "\n</tools>\n\nIf none of the functions can be used, point it out. If the given question "
+        "lacks the parameters required by the function, also point it out.\nIf you need to use "
+        "a function, for each function call, output the function name and arguments within the "
+        "following XML format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n"
+        "<arg_value>{arg-value-1}</arg_value>\n<arg_key>{arg-key-2}</arg_key>\n"
+        "<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>\n",
+    ],
+    key=len,
+    reverse=True,
+)
+_ONLY_LITERALS = re.compile("(?:" + "|".join(map(re.escape, _LITERALS)) + ")*")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_control_segments_hold_only_template_literals(case):
+    """No byte of a request can reach a CONTROL segment, for every golden shape."""
+    for seg in render(case["messages"], case["tools"], **case["kwargs"]):
+        if seg.control:
+            assert _ONLY_LITERALS.fullmatch(seg.text), seg.text
