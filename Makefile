@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint venv oracle-env rknn-env fixtures bench
+.PHONY: serve test lint venv oracle-env rknn-env fixtures bench agent-clients
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint rknn-env
+test: lint rknn-env agent-clients
 	$(VENV)/bin/pytest $(ARGS)
 
 # Host-only tools: transformers 5.24.0 on the local CPU torch wheel, used to regenerate
@@ -52,3 +52,13 @@ $(RKNN)/.installed:
 	touch $@
 
 rknn-env: $(RKNN)/.installed
+
+# opencode's and pi's own client libraries (npm, pinned by package-lock.json) for
+# tests/test_server_agent_clients.py. Without npm on the machine those tests are skipped.
+CLIENTS := tests/server_clients
+$(CLIENTS)/node_modules/.installed: $(CLIENTS)/package-lock.json
+	@if command -v npm >/dev/null; then \
+		cd $(CLIENTS) && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error && touch node_modules/.installed; \
+	else echo "npm not found: the agent-client tests will be skipped"; fi
+
+agent-clients: $(CLIENTS)/node_modules/.installed
