@@ -22,6 +22,9 @@ OPSET = 17  # ReduceMean takes ``axes`` as an attribute up to opset 17; rknn acc
 IR_VERSION = 8  # readable by onnx<=1.18 in the rknn-toolkit2 venv
 
 
+_CLONABLE = frozenset({"Add", "Sub", "Mul", "Div", "Sigmoid"})
+
+
 class GraphBuilder:
     """Accumulates nodes/initializers; each op returns the name of its output."""
 
@@ -33,6 +36,7 @@ class GraphBuilder:
         self._inputs: list[onnx.ValueInfoProto] = []
         self._outputs: list[onnx.ValueInfoProto] = []
         self._used: set[str] = set()
+        self._producer: dict[str, onnx.NodeProto] = {}
         self._counter = 0
 
     def _fresh(self, hint: str) -> str:
@@ -41,7 +45,9 @@ class GraphBuilder:
 
     def _node(self, op: str, inputs: Sequence[str], hint: str, **attrs: object) -> str:
         out = self._fresh(hint)
-        self._nodes.append(helper.make_node(op, list(inputs), [out], name=out, **attrs))
+        node = helper.make_node(op, list(inputs), [out], name=out, **attrs)
+        self._nodes.append(node)
+        self._producer[out] = node
         return out
 
     # -- graph interface -------------------------------------------------------------
@@ -52,10 +58,25 @@ class GraphBuilder:
         self._inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape)))
         return name
 
-    def output(self, value: str, name: str, shape: Sequence[int] | None = None) -> str:
-        """Expose ``value`` as graph output ``name`` (through an Identity if renamed)."""
+    def output(self, value: str, name: str, shape: Sequence[int | str] | None = None) -> str:
+        """Expose ``value`` as graph output ``name``.
+
+        An elementwise result is recomputed by a clone of its node rather than passed
+        through an Identity: rknn-toolkit2 2.5.0 crashes in ``build()`` (IndexError in
+        ``_make_perm_consistent_for_tp``) under ``dynamic_input`` when the output of a
+        residual Add is both a graph output and consumed further (found by the simulator
+        tier with the attention-output stage). A cloned Add/Mul costs nothing on the NPU.
+        """
         self._claim(name)
-        if value != name:
+        producer = self._producer.get(value)
+        if producer is not None and producer.op_type in _CLONABLE:
+            clone = onnx.NodeProto()
+            clone.CopyFrom(producer)
+            clone.name = name
+            del clone.output[:]
+            clone.output.append(name)
+            self._nodes.append(clone)
+        elif value != name:
             self._nodes.append(helper.make_node("Identity", [value], [name], name=name))
         dims = list(shape) if shape is not None else None
         self._outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))

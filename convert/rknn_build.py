@@ -8,9 +8,12 @@ Runs *inside* ``.venv-rknn`` (numpy<2, rknn-toolkit2 2.5.0), started as a subpro
 
 ``calib.npz`` / ``inputs.npz`` map each graph input name to an array with a leading
 sample axis ``[N, *input_shape]``; ``outputs.npz`` maps each graph output name to
-``[N, *output_shape]``. The ``.rknn`` is written to a temporary name and renamed into
-place only after a successful export. The result JSON (also printed as a ``RESULT``
-line) says what happened; the exit status is 0 only on success.
+``[N, *output_shape]``. ``--simulate``/``--sim-out`` repeat, one pair per input shape set
+(a graph built with ``--dynamic-input`` is simulated at each of its shapes).
+
+The ``.rknn`` is written to a temporary name and renamed into place only after a
+successful export. The result JSON (also printed as a ``RESULT`` line) says what
+happened; the exit status is 0 only on success.
 """
 
 from __future__ import annotations
@@ -77,6 +80,26 @@ def _write_dataset(arrays: list[np.ndarray], workdir: Path) -> Path:
     return dataset
 
 
+def _simulate(rk: object, sim_in: Path, sim_out: Path, in_names: list[str],
+              out_names: list[str]) -> None:
+    """Run every sample of ``sim_in`` through the simulator; write ``sim_out`` atomically."""
+    feeds = _load_samples(sim_in, in_names, "simulate")
+    outs: list[list[np.ndarray]] = [[] for _ in out_names]
+    for s in range(feeds[0].shape[0]):
+        sample = [f[s] for f in feeds]
+        # 4-D inputs are taken as NHWC unless told otherwise; our graphs are laid out
+        # like their ONNX declaration.
+        fmt = ["nchw"] * len(sample) if any(a.ndim == 4 for a in sample) else None
+        got = rk.inference(inputs=sample, data_format=fmt)
+        if got is None or len(got) != len(out_names):
+            raise BuildFailure("inference", f"simulator returned {got!r:.200}")
+        for slot, arr in zip(outs, got, strict=True):
+            slot.append(np.asarray(arr, dtype=np.float32))
+    tmp_out = sim_out.parent / f".{sim_out.stem}.{os.getpid()}.partial.npz"
+    np.savez(tmp_out, **{n: np.stack(o) for n, o in zip(out_names, outs, strict=True)})
+    os.replace(tmp_out, sim_out)
+
+
 def build(args: argparse.Namespace) -> dict:
     from rknn.api import RKNN
 
@@ -113,25 +136,11 @@ def build(args: argparse.Namespace) -> dict:
                 partial.unlink(missing_ok=True)
             result.update(load_s=t1 - t0, build_s=t2 - t1, bytes=out_path.stat().st_size)
             if args.simulate:
-                feeds = _load_samples(Path(args.simulate), in_names, "simulate")
                 _check(rk.init_runtime(), "init_runtime")
                 t3 = time.perf_counter()
-                outs: list[list[np.ndarray]] = [[] for _ in out_names]
-                for s in range(feeds[0].shape[0]):
-                    sample = [f[s] for f in feeds]
-                    # 4-D inputs are taken as NHWC unless told otherwise; our graphs are
-                    # laid out like their ONNX declaration.
-                    fmt = ["nchw"] * len(sample) if any(a.ndim == 4 for a in sample) else None
-                    got = rk.inference(inputs=sample, data_format=fmt)
-                    if got is None or len(got) != len(out_names):
-                        raise BuildFailure("inference", f"simulator returned {got!r:.200}")
-                    for slot, arr in zip(outs, got, strict=True):
-                        slot.append(np.asarray(arr, dtype=np.float32))
+                for sim_in, sim_out in zip(args.simulate, args.sim_out, strict=True):
+                    _simulate(rk, Path(sim_in), Path(sim_out), in_names, out_names)
                 result["sim_s"] = time.perf_counter() - t3
-                sim_out = Path(args.sim_out)
-                tmp_out = sim_out.parent / f".{sim_out.stem}.{os.getpid()}.partial.npz"
-                np.savez(tmp_out, **{n: np.stack(o) for n, o in zip(out_names, outs, strict=True)})
-                os.replace(tmp_out, sim_out)
     finally:
         rk.release()
     result["ok"] = True
@@ -147,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algorithm", default="normal", choices=("normal", "mmse", "kl_divergence"))
     p.add_argument("--calibration")
     p.add_argument("--dynamic-input", help="JSON list of input shape sets")
-    p.add_argument("--simulate")
-    p.add_argument("--sim-out")
+    p.add_argument("--simulate", action="append", default=[],
+                   help="npz of inputs to simulate (repeatable: one per shape set)")
+    p.add_argument("--sim-out", action="append", default=[])
     p.add_argument("--result")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
-    if args.simulate and not args.sim_out:
-        p.error("--simulate needs --sim-out")
+    if len(args.simulate) != len(args.sim_out):
+        p.error("every --simulate needs its --sim-out")
     try:
         result = build(args)
     except BuildFailure as exc:

@@ -43,8 +43,13 @@ class RknnBuildResult:
     size_bytes: int
     build_seconds: float
     sim_seconds: float | None
-    outputs: dict[str, np.ndarray] | None  # graph output name -> [N, *shape]
+    groups: list[dict[str, np.ndarray]]  # per simulate group: output name -> [N, *shape]
     log: str
+
+    @property
+    def outputs(self) -> dict[str, np.ndarray] | None:
+        """The simulator outputs when exactly one input group was simulated."""
+        return self.groups[0] if len(self.groups) == 1 else None
 
 
 def rknn_python() -> Path:
@@ -76,7 +81,7 @@ def build_rknn(
     out_path: str | os.PathLike[str],
     quant: str,
     calibration: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None,
-    simulate_inputs: Mapping[str, np.ndarray] | None = None,
+    simulate_inputs: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]] | None = None,
     *,
     target: str = "rk3588",
     dynamic_input: Sequence[Sequence[Sequence[int]]] | None = None,
@@ -86,8 +91,9 @@ def build_rknn(
     """Convert ``onnx_path`` to ``out_path`` (fp16 or w8a8) and optionally simulate.
 
     ``calibration`` (required for w8a8): input name -> ``[N, *shape]`` real activations,
-    or a path to such an ``.npz``. ``simulate_inputs``: same layout; the outputs come
-    back keyed by graph output name with the same leading sample axis.
+    or a path to such an ``.npz``. ``simulate_inputs``: same layout, or a list of such
+    groups (one per shape set of a multi-shape graph); the outputs come back per group
+    (``result.groups``) keyed by graph output name with the same leading sample axis.
     """
     if quant not in QUANT_TYPES:
         raise ValueError(f"quant must be one of {QUANT_TYPES}, got {quant!r}")
@@ -105,9 +111,12 @@ def build_rknn(
                 _save_samples(work / "calib.npz", calibration)
                 calibration = work / "calib.npz"
             cmd += ["--calibration", str(calibration)]
-        if simulate_inputs is not None:
-            _save_samples(work / "sim_in.npz", simulate_inputs)
-            cmd += ["--simulate", str(work / "sim_in.npz"), "--sim-out", str(work / "sim_out.npz")]
+        groups = ([] if simulate_inputs is None else [simulate_inputs]
+                  if isinstance(simulate_inputs, Mapping) else list(simulate_inputs))
+        for g, feeds in enumerate(groups):
+            _save_samples(work / f"sim_in{g}.npz", feeds)
+            cmd += ["--simulate", str(work / f"sim_in{g}.npz"),
+                    "--sim-out", str(work / f"sim_out{g}.npz")]
         if dynamic_input is not None:
             cmd += ["--dynamic-input", json.dumps([[list(s) for s in group]
                                                    for group in dynamic_input])]
@@ -124,9 +133,9 @@ def build_rknn(
         if not result.get("ok") or proc.returncode != 0:
             raise RknnBuildError(result.get("step", "unknown"), result.get("error", "?"),
                                  log[-4000:])
-        outputs = None
-        if simulate_inputs is not None:
-            with np.load(work / "sim_out.npz") as data:
-                outputs = {name: data[name] for name in result["outputs"]}
+        outputs = []
+        for g in range(len(groups)):
+            with np.load(work / f"sim_out{g}.npz") as data:
+                outputs.append({name: data[name] for name in result["outputs"]})
     return RknnBuildResult(out_path, int(result["bytes"]), float(result["build_s"]),
                            result.get("sim_s"), outputs, log)

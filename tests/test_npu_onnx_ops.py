@@ -95,3 +95,22 @@ def test_graphs_stay_readable_by_rknn_toolkit_onnx(rng):
     model = b.build()
     assert model.ir_version == 8
     assert model.opset_import[0].version == 17
+
+
+def test_consumed_elementwise_outputs_are_cloned_not_aliased(rng):
+    """rknn-toolkit2 2.5.0 crashes under dynamic_input when a residual Add is both a graph
+    output and consumed further; the builder recomputes such outputs with a clone."""
+    w = rng.normal(size=(8, 8)).astype(np.float32)
+    b = GraphBuilder("residual")
+    x = b.input("x", [1, "T", 8])
+    h = b.add(x, b.linear(x, w, "o"))
+    b.output(h, "h")
+    b.output(b.rmsnorm(h, np.ones(8), 1e-6, "n"), "u")
+    model = b.build()
+    producers = {o: n for n in model.graph.node for o in n.output}
+    assert producers["h"].op_type == "Add"  # the clone, not an Identity of the shared Add
+    assert not any(n.op_type == "Identity" for n in model.graph.node)
+    xv = rng.normal(size=(1, 3, 8)).astype(np.float32)
+    hv, uv = run(model, x=xv)
+    np.testing.assert_allclose(hv, xv + xv @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(uv, np_rmsnorm(hv, np.ones(8), 1e-6), rtol=1e-5, atol=1e-5)
