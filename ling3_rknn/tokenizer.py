@@ -251,7 +251,10 @@ class Tokenizer:
         """Plain text: special-token spellings become ordinary text tokens."""
         if not text:
             return []
-        ids = self._text.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._text.encode(text, add_special_tokens=False).ids
+        except TypeError as exc:  # the library refuses str with unpaired surrogates
+            raise TokenizerError(f"text is not valid Unicode (unpaired surrogate?): {exc}") from exc
         if self._forbidden_ids.intersection(ids):
             # Only possible if BPE merges can build a marker from plain bytes; refusing is the
             # one safe answer (the model would read it as the real marker).

@@ -77,3 +77,32 @@ def test_generation_prompt_ends_with_open_think(kind):
     assert _specials(tok, ids)[-3:] == ["<role>", "</role>", "<think>"]
     off = tok.encode_segments(render([{"role": "user", "content": "hi"}], enable_thinking=False))
     assert _specials(tok, off)[-2:] == ["<think>", "</think>"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unpaired_surrogates_from_clients_are_replaced_not_fatal(kind):
+    """A JS client that slices a tool output mid-emoji sends "\\ud83d"; the turn must go on."""
+    cut = json.loads('"tool output \\ud83d"')
+    msgs = [
+        {"role": "user", "content": [{"type": "text", "text": cut}]},
+        {
+            "role": "assistant",
+            "content": cut,
+            "reasoning_content": cut,
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "read", "arguments": json.dumps({"p": cut})},
+                },
+                {"type": "function", "function": {"name": "read", "arguments": {cut: [cut]}}},
+            ],
+        },
+        {"role": "tool", "content": cut},
+    ]
+    tools = [{"type": "function", "function": {"name": "read", "description": cut}}]
+    segments = render(msgs, tools)
+    text = "".join(s.text for s in segments)
+    text.encode("utf-8")  # valid Unicode throughout
+    assert text.count("tool output \ufffd") == 8
+    ids = TOKS[kind].encode_segments(segments)
+    assert TOKS[kind].decode(ids) == text

@@ -264,3 +264,8 @@ def test_unusable_specs_give_typed_errors(tmp_path, mutate, match):
     p.write_text(json.dumps(spec))
     with pytest.raises(TokenizerError, match=match):
         Tokenizer.from_file(p)
+
+
+def test_unpaired_surrogate_is_a_typed_error(tok):
+    with pytest.raises(TokenizerError, match="surrogate"):
+        tok.encode_text("cut emoji \ud83d")

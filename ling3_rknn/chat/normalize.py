@@ -13,17 +13,42 @@ request is normalised first (serving-protocol.md section 6):
   cannot be rendered by the template (it iterates ``arguments.items()``). Fallback: the call is
   kept and its raw string is written as the call body (``<tool_call>NAME\\nRAW\\n</tool_call>``),
   so the model still sees exactly what the client sent; nothing is invented or dropped.
+* unpaired UTF-16 surrogates (``"\\ud83d"`` in the JSON, e.g. a JavaScript client that cut a
+  tool output in the middle of an emoji) become U+FFFD, the character their bytes would decode
+  to; left in, no tokenizer can encode them and the agent's turn would fail.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .segments import ChatFormatError
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(text: str) -> str:
+    """``text`` with unpaired surrogates replaced by U+FFFD (fast path: valid text as is)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def clean_json(value: Any) -> Any:
+    """``clean_text`` applied to every string (keys included) of a JSON-like value."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, dict):
+        return {clean_json(k): clean_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clean_json(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -52,7 +77,7 @@ def _content(msg: dict, where: str, role: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return clean_text(content)
     if not isinstance(content, list):
         raise ChatFormatError(f"{where}.content must be a string, null or a list of text parts")
     texts = []
@@ -70,23 +95,24 @@ def _content(msg: dict, where: str, role: str) -> str:
         if not isinstance(value, str):
             raise ChatFormatError(f"{pwhere}.{kind} must be a string")
         texts.append(value)
-    return "\n".join(texts)
+    return clean_text("\n".join(texts))
 
 
 def _arguments(raw: Any, where: str) -> dict[str, Any] | RawArguments:
     if raw is None:
         return {}
     if isinstance(raw, dict):
-        return raw
+        return clean_json(raw)
     if not isinstance(raw, str):
         raise ChatFormatError(f"{where} must be a JSON string or an object")
     if not raw.strip():
         return {}
+    raw = clean_text(raw)
     try:
         value = json.loads(raw)
     except ValueError:
         return RawArguments(raw)
-    return value if isinstance(value, dict) else RawArguments(raw)
+    return clean_json(value) if isinstance(value, dict) else RawArguments(raw)
 
 
 def _tool_calls(msg: dict, where: str) -> list[NormalCall]:
@@ -135,7 +161,7 @@ def normalize_messages(messages: Any) -> list[NormalMessage]:
                     continue
                 if not isinstance(value, str):
                     raise ChatFormatError(f"{where}.{key} must be a string")
-                reasoning = value
+                reasoning = clean_text(value)
                 break
             calls = _tool_calls(msg, where)
         out.append(NormalMessage(role, content, reasoning, calls))
@@ -150,4 +176,4 @@ def normalize_tools(tools: Any) -> list[dict]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise ChatFormatError(f"tools[{i}] must be an object")
-    return tools
+    return clean_json(tools)
