@@ -613,3 +613,21 @@ async def test_history_arguments_as_object_or_string_render_the_same(engine):
     )
     assert "<arg_key>n</arg_key>\n<arg_value>2</arg_value>" in first
     assert "<tool_response>\nx=1\n</tool_response>" in first
+
+
+async def test_engine_refusing_synchronously_is_still_a_typed_error():
+    """An engine whose ``generate`` is a plain function that raises at once."""
+    from ling3_rknn.engine.api import EngineBusy
+
+    class Refusing(ScriptedEngine):
+        def generate(self, request):  # type: ignore[override]
+            raise EngineBusy("3 requests are already waiting")
+
+    async with running_server(Refusing()) as srv, aiohttp.ClientSession() as s:
+        for stream in (False, True):
+            status, headers, text = await post(
+                s, srv.v1 + "/chat/completions", chat_body(stream=stream)
+            )
+            assert status == 503
+            assert headers["Retry-After"]
+            assert "already waiting" in error_of(text)["message"]

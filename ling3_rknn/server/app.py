@@ -269,8 +269,8 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
     finally:
         if not first.done():
             first.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await first
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await first  # always retrieved, so no "exception was never retrieved" at exit
 
 
 async def _stream_events(

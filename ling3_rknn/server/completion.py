@@ -113,13 +113,17 @@ class Completion:
             thinking=request.enable_thinking,
             parallel_tool_calls=request.parallel_tool_calls,
         )
-        self._generation = engine.generate(generation_request(request, prompt))
+        self._engine = engine
+        self._generation_request = generation_request(request, prompt)
+        self._generation: AsyncIterator[TextDelta | Finished] | None = None
         self._first: TextDelta | Finished | None = None
         self._calls = 0
         self.finished: Finished | None = None
 
     async def start(self) -> None:
         try:
+            # Inside the try: an engine may also refuse synchronously, not only on first event.
+            self._generation = self._engine.generate(self._generation_request)
             self._first = await anext(self._generation)
         except ContextLengthExceeded as exc:
             raise context_length_exceeded(str(exc)) from None
@@ -147,6 +151,7 @@ class Completion:
             for out in self._convert(self._parser.feed(event.text)):
                 yield out
             try:
+                assert self._generation is not None
                 event = await anext(self._generation)
             except EngineFailure as exc:
                 raise engine_failure(exc) from None
@@ -156,6 +161,8 @@ class Completion:
                 ) from None
 
     async def close(self) -> None:
+        if self._generation is None:
+            return
         closer = getattr(self._generation, "aclose", None)
         if closer is not None:
             await closer()
