@@ -1,0 +1,78 @@
+"""``ling3-rknn serve`` argument handling (the running process is tested in
+test_server_e2e.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from ling3_rknn import cli
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("123", 123), ("512M", 512 * 1024**2), ("2G", 2 * 1024**3), ("1.5GiB", 3 * 512 * 1024**2)],
+)
+def test_parse_size(text, size):
+    assert cli.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "-1", "2X", "G", "1e9"])
+def test_parse_size_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_size(text)
+
+
+def test_serve_defaults_bind_localhost(monkeypatch):
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    args = cli.build_parser().parse_args(["serve", "--demo"])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8080, None)
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
+    args = cli.build_parser().parse_args(["serve", "--demo"])
+    assert args.api_key == "from-env"
+    args = cli.build_parser().parse_args(["serve", "--demo", "--api-key", "flag"])
+    assert args.api_key == "flag"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve"],
+        ["serve", "--demo", "--bundle", "b"],
+        ["serve", "--demo", "--port", "70000"],
+        ["serve", "--demo", "--max-context", "0"],
+        ["serve", "--demo", "--cache-bytes", "lots"],
+    ],
+)
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_tokenizer_only_with_hf(capsys):
+    assert cli.main(["serve", "--demo", "--tokenizer", "t.json", "--port", "0"]) == 2
+    assert "--tokenizer only applies to --hf" in capsys.readouterr().err
+
+
+def test_missing_bundle_exits_1(tmp_path, capsys):
+    assert cli.main(["serve", "--bundle", str(tmp_path / "nope"), "--port", "0"]) == 1
+    assert "bundle directory not found" in capsys.readouterr().err
+
+
+def test_warns_when_exposed_without_key(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="ling3_rknn.cli"):
+        cli.main(["serve", "--hf", str(tmp_path), "--host", "0.0.0.0", "--port", "0"])
+    assert "without an API key" in caplog.text
+
+
+def test_engine_options_only_pass_what_was_given():
+    args = cli.build_parser().parse_args(["serve", "--demo", "--cache-bytes", "1M"])
+    assert cli._engine_options(args) == {"cache_bytes": 1024**2}
