@@ -15,7 +15,9 @@ request is normalised first (serving-protocol.md section 6):
   so the model still sees exactly what the client sent; nothing is invented or dropped.
 * unpaired UTF-16 surrogates (``"\\ud83d"`` in the JSON, e.g. a JavaScript client that cut a
   tool output in the middle of an emoji) become U+FFFD, the character their bytes would decode
-  to; left in, no tokenizer can encode them and the agent's turn would fail.
+  to; left in, no tokenizer can encode them and the agent's turn would fail. The renderer
+  applies ``clean_text`` to every TEXT piece it writes (tool JSON included), so this costs one
+  UTF-8 check per piece on valid input.
 """
 
 from __future__ import annotations
@@ -38,17 +40,6 @@ def clean_text(text: str) -> str:
     except UnicodeEncodeError:
         return _SURROGATE.sub("\ufffd", text)
     return text
-
-
-def clean_json(value: Any) -> Any:
-    """``clean_text`` applied to every string (keys included) of a JSON-like value."""
-    if isinstance(value, str):
-        return clean_text(value)
-    if isinstance(value, dict):
-        return {clean_json(k): clean_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [clean_json(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)
@@ -77,7 +68,7 @@ def _content(msg: dict, where: str, role: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return clean_text(content)
+        return content
     if not isinstance(content, list):
         raise ChatFormatError(f"{where}.content must be a string, null or a list of text parts")
     texts = []
@@ -95,24 +86,23 @@ def _content(msg: dict, where: str, role: str) -> str:
         if not isinstance(value, str):
             raise ChatFormatError(f"{pwhere}.{kind} must be a string")
         texts.append(value)
-    return clean_text("\n".join(texts))
+    return "\n".join(texts)
 
 
 def _arguments(raw: Any, where: str) -> dict[str, Any] | RawArguments:
     if raw is None:
         return {}
     if isinstance(raw, dict):
-        return clean_json(raw)
+        return raw
     if not isinstance(raw, str):
         raise ChatFormatError(f"{where} must be a JSON string or an object")
     if not raw.strip():
         return {}
-    raw = clean_text(raw)
     try:
         value = json.loads(raw)
     except ValueError:
         return RawArguments(raw)
-    return clean_json(value) if isinstance(value, dict) else RawArguments(raw)
+    return value if isinstance(value, dict) else RawArguments(raw)
 
 
 def _tool_calls(msg: dict, where: str) -> list[NormalCall]:
@@ -161,7 +151,7 @@ def normalize_messages(messages: Any) -> list[NormalMessage]:
                     continue
                 if not isinstance(value, str):
                     raise ChatFormatError(f"{where}.{key} must be a string")
-                reasoning = clean_text(value)
+                reasoning = value
                 break
             calls = _tool_calls(msg, where)
         out.append(NormalMessage(role, content, reasoning, calls))
@@ -176,4 +166,4 @@ def normalize_tools(tools: Any) -> list[dict]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise ChatFormatError(f"tools[{i}] must be an object")
-    return clean_json(tools)
+    return tools

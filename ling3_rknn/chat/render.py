@@ -27,7 +27,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .normalize import NormalCall, NormalMessage, RawArguments, normalize_messages, normalize_tools
+from .normalize import (
+    NormalCall,
+    NormalMessage,
+    RawArguments,
+    clean_text,
+    normalize_messages,
+    normalize_tools,
+)
 from .segments import Segment
 
 TEMPLATE_SHA256 = "eb6226c94ae38058f875d159f86a206b3a165828c0e7d6bda664ae14667f798a"
@@ -59,7 +66,7 @@ class _Out:
         self._add(text, True)
 
     def t(self, text: str) -> None:
-        self._add(text, False)
+        self._add(clean_text(text), False)
 
     def _add(self, text: str, control: bool) -> None:
         if not text:
