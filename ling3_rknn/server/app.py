@@ -247,20 +247,20 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             await writer.send(chunks.role())
             await _stream_events(request, writer, chunks, completion, first, started)
         except ApiError as exc:
-            await writer.send(exc.body())
+            await _send_error(writer, exc)
         except asyncio.CancelledError:
             if not app[_STATE].get("stopping"):
                 raise
             # Our own shutdown cancelled the generation: tell the client and end the stream
             # cleanly instead of cutting the connection.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.send(_shutdown_error().body()), 1.0)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_send_error(writer, _shutdown_error()), 1.0)
         except ConnectionError:
             metrics.disconnects.inc()
             return response
         except Exception:
             log.exception("stream %s failed", request[_RID])
-            await writer.send(errors.internal(request[_RID]).body())
+            await _send_error(writer, errors.internal(request[_RID]))
         finally:
             await writer.stop_keep_alive()
         with contextlib.suppress(ConnectionError):
@@ -271,6 +271,13 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             first.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await first  # always retrieved, so no "exception was never retrieved" at exit
+
+
+async def _send_error(writer: SseWriter, error: ApiError) -> None:
+    """Errors after the headers went out are an ``error`` event (serving-protocol.md 3.3);
+    a client that is already gone does not need one."""
+    with contextlib.suppress(ConnectionError):
+        await writer.send(error.body())
 
 
 async def _stream_events(
