@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ling3_rknn.chat import TEMPLATE_SHA256, ChatFormatError, Segment, render, render_text
 
@@ -18,6 +20,10 @@ GOLDENS = json.loads(
 CASES = GOLDENS["cases"]
 TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "reference"
 TEMPLATE_FILE = TEMPLATE / "ling-3.0-tiny.chat_template.jinja"
+ODD_TOOL = {
+    "function": {"name": "f", "parameters": {"required": [], "type": "object"}},
+    "type": "function",
+}
 
 
 def test_goldens_come_from_the_pinned_template():
@@ -219,3 +225,59 @@ def test_control_segments_hold_only_template_literals(case):
     for seg in render(case["messages"], case["tools"], **case["kwargs"]):
         if seg.control:
             assert _ONLY_LITERALS.fullmatch(seg.text), seg.text
+
+
+_json = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=8)
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_part = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url", "refusal"]), "text": _json}
+    ),
+    _json,
+)
+_call = st.one_of(
+    _json,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": _json, "arguments": st.one_of(_json, st.text())}
+            ),
+        }
+    ),
+)
+_message = st.one_of(
+    _json,
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "bot"])},
+        optional={
+            "content": st.one_of(_json, st.text(), st.lists(_part, max_size=3)),
+            "reasoning_content": _json,
+            "reasoning": _json,
+            "tool_calls": st.one_of(_json, st.lists(_call, max_size=3)),
+        },
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.one_of(_json, st.lists(_message, max_size=5)),
+    st.one_of(st.none(), _json, st.lists(st.one_of(_json, st.just(ODD_TOOL)), max_size=3)),
+    st.booleans(),
+    st.booleans(),
+)
+def test_any_request_renders_or_raises_chat_format_error(messages, tools, thinking, gen):
+    """HTTP input boundary: nothing but ChatFormatError may escape, and output is valid text."""
+    try:
+        segments = render(messages, tools, enable_thinking=thinking, add_generation_prompt=gen)
+    except ChatFormatError:
+        return
+    "".join(s.text for s in segments).encode("utf-8")
