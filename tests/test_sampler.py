@@ -170,3 +170,15 @@ def test_defaults_from_generation_config():
     assert defaults_from_generation_config({"do_sample": False}).temperature == 0.0
     with pytest.raises(InvalidRequest):
         defaults_from_generation_config({"top_k": "many"})
+
+
+def test_top_k_ids_with_a_masked_full_size_vocabulary():
+    """Most of Ling's 157,184 rows masked to one value: the ties at the bound are resolved
+    by id without ranking the whole vocabulary."""
+    rng = np.random.default_rng(5)
+    x = np.full(157_184, -1e4, np.float32)
+    live = rng.choice(x.size, 30, replace=False)
+    x[live] = rng.standard_normal(30).astype(np.float32)
+    want = np.lexsort((np.arange(x.size), -x))[:40]
+    np.testing.assert_array_equal(top_k_ids(x, 40), want)
+    np.testing.assert_array_equal(top_k_ids(x, 20), want[:20])

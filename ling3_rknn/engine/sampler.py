@@ -117,16 +117,16 @@ def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     lower bound for the k-th largest value; only elements above that bound are ranked.
     """
     n = x.shape[0]
-    if k >= n:
+    starts = np.arange(0, n, _BLOCK)
+    if k >= n or starts.size <= k:
         candidates = np.arange(n)
     else:
-        starts = np.arange(0, n, _BLOCK)
-        if starts.size > k:
-            block_max = np.maximum.reduceat(x, starts)
-            bound = np.partition(block_max, starts.size - k)[starts.size - k]
-            candidates = np.flatnonzero(x >= bound)
-        else:
-            candidates = np.arange(n)
+        block_max = np.maximum.reduceat(x, starts)
+        bound = np.partition(block_max, starts.size - k)[starts.size - k]
+        candidates = np.flatnonzero(x > bound)
+        if candidates.size < k:  # the bound itself is among the top k (ties at it)
+            ties = np.flatnonzero(x == bound)[: k - candidates.size]
+            candidates = np.concatenate([candidates, ties])
     values = x[candidates]
     if candidates.size > k:
         kth = np.partition(values, candidates.size - k)[candidates.size - k]
