@@ -58,10 +58,28 @@ HISTORY = [
     {"role": "tool", "tool_call_id": "1", "content": "ok"},
 ]
 
-# Text that cannot spell a marker (markers in free text legitimately change the parse).
-_chars = st.sampled_from([*"ab Z.,:;!?'\"{}[]()=+-_/\\\t", "\n", "\n\n", "é", "東", "🙂", "<", ">"])
+# Free text may contain tag-like pieces, but not a complete marker: a marker in free text
+# legitimately changes the parse (that is what the markers are for).
+MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "</arg_value>", "<|role_end|>")
+_chars = st.sampled_from(
+    [
+        *"ab Z.,:;!?'\"{}[]()=+-_/\\\t|<>",
+        "\n",
+        "\n\n",
+        "é",
+        "東",
+        "🙂",
+        "<think",
+        "tool_call>",
+        "<tool_",
+        "</arg",
+        "<arg_key>",
+        "<|role_end",
+        "<b>",
+    ]
+)
 free_text = (
-    st.lists(_chars, max_size=25).map("".join).filter(lambda s: "<" not in s or ">" not in s)
+    st.lists(_chars, max_size=25).map("".join).filter(lambda s: not any(m in s for m in MARKERS))
 )
 # Reasoning that is empty or has real text: whitespace-only reasoning renders like none at all.
 reasoning_text = free_text.filter(lambda s: s == "" or s.strip("\n") != "")
