@@ -126,7 +126,11 @@ def test_absorbed_mla_equals_expanded(context, t):
     q_rope = rng.standard_normal((t, h, dr)).astype(F32)
     w_kb = rng.standard_normal((h, dn, r)).astype(F32)
     w_vb = rng.standard_normal((h, dv, r)).astype(F32)
-    got = mla_attention(q_nope, q_rope, cache.blocks(), cache.length, w_kb, w_vb, 0.3)
+    # the stages absorb W_kb into the query and apply W_vb to the returned latent context
+    q_latent = np.einsum("thn,hnr->thr", q_nope, w_kb)
+    ctx = mla_attention(q_latent, q_rope, cache.blocks(), cache.length, 0.3)
+    assert ctx.shape == (t, h, r)
+    got = np.einsum("thr,hvr->thv", ctx, w_vb)
     ref = naive_mla(q_nope, q_rope, rows, w_kb, w_vb, 0.3)
     np.testing.assert_allclose(got, ref, atol=2e-4, rtol=1e-4)
 

@@ -45,7 +45,7 @@ class StageBackend(Protocol):
     ) -> LayerOutput: ...
 
     def mla_output(
-        self, layer: int, x: np.ndarray, attn: np.ndarray, gate: np.ndarray
+        self, layer: int, x: np.ndarray, ctx: np.ndarray, gate: np.ndarray
     ) -> LayerOutput: ...
 
     def final(self, x: np.ndarray) -> np.ndarray: ...
@@ -124,10 +124,10 @@ class NumpyStages:
         return kda_output_stage(x, core, out_gate, w, eps=self._cfg.rms_norm_eps)
 
     def mla_output(
-        self, layer: int, x: np.ndarray, attn: np.ndarray, gate: np.ndarray
+        self, layer: int, x: np.ndarray, ctx: np.ndarray, gate: np.ndarray
     ) -> LayerOutput:
         w = self._output_weights(layer)
-        return mla_output_stage(x, attn, gate, w, eps=self._cfg.rms_norm_eps)
+        return mla_output_stage(x, ctx, gate, w, eps=self._cfg.rms_norm_eps)
 
     def final(self, x: np.ndarray) -> np.ndarray:
         return final_stage(x, self._final_weights(), eps=self._cfg.rms_norm_eps)

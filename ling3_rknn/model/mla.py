@@ -1,10 +1,11 @@
 """MLA glue that stays on the CPU: RoPE and attention over the cached latent.
 
 Absorbed form: instead of expanding every cached latent into per-head keys and values each
-step (what transformers does), the query is pulled into latent space once,
+step (what transformers does), the input stage pulls the query into latent space,
 q_lat_h = W_kb_h^T q_nope_h, so a score is one 576-wide dot product against the cache row
-[c_kv | k_rope], and the value side is ctx_h = sum_s p_s c_kv_s followed by W_vb_h ctx_h.
-The cache is read directly in the fixed-size blocks it is stored in (see ``state.py``).
+[c_kv | k_rope]; the CPU returns ctx_h = sum_s p_s c_kv_s and the output stage applies
+W_vb_h. The weight products are thus NPU work; the CPU only touches the cache, which it
+reads in the fixed-size blocks it is stored in (see ``state.py``).
 """
 
 from __future__ import annotations
@@ -41,24 +42,20 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def mla_attention(
-    q_nope: np.ndarray,
+    q_latent: np.ndarray,
     q_rope: np.ndarray,
     blocks: Sequence[np.ndarray],
     length: int,
-    w_kb: np.ndarray,
-    w_vb: np.ndarray,
     scale: float,
 ) -> np.ndarray:
     """Causal attention of the T newest tokens over a cache of ``length`` rows (them included).
 
-    q_nope [T, H, d_n]; q_rope [T, H, d_r] (rotated); ``blocks`` hold cache rows
-    [c_kv (r) | k_rope (d_r)] in order, the last one possibly partly filled; w_kb [H, d_n, r],
-    w_vb [H, d_v, r]. Returns [T, H, d_v].
+    q_latent [T, H, r] (absorbed query), q_rope [T, H, d_r] (rotated); ``blocks`` hold cache
+    rows [c_kv (r) | k_rope (d_r)] in order, the last one possibly partly filled. Returns the
+    attention-weighted latent ctx [T, H, r]; the output stage applies W_vb.
     """
-    t_len, h, _ = q_nope.shape
-    r = w_kb.shape[2]
-    q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_kb)  # [H, T, r]
-    q_cat = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2).transpose(1, 0, 2)
+    t_len, h, r = q_latent.shape
+    q_cat = np.concatenate([q_latent, q_rope], axis=2)
     q_cat = (q_cat * np.float32(scale)).reshape(t_len * h, -1)  # rows: token-major, head-minor
     ctx = np.empty((t_len * h, r), dtype=np.float32)
     first_pos = length - t_len
@@ -67,8 +64,7 @@ def mla_attention(
         rows = slice(start * h, end * h)
         visible = first_pos + end  # keys 0 .. visible-1 can be seen by this query chunk
         ctx[rows] = _attend(q_cat[rows], blocks, visible, first_pos + start, h, r)
-    ctx = ctx.reshape(t_len, h, r).transpose(1, 0, 2)  # [H, T, r]
-    return np.matmul(ctx, w_vb.transpose(0, 2, 1)).transpose(1, 0, 2)  # [T, H, d_v]
+    return ctx.reshape(t_len, h, r)
 
 
 def _attend(

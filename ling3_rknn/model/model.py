@@ -24,7 +24,6 @@ class CpuWeights:
     """Weights the CPU glue needs (they never go to the NPU)."""
 
     conv: dict[int, np.ndarray]  # KDA layer -> [3P, K]
-    absorbed: dict[int, tuple[np.ndarray, np.ndarray]]  # MLA layer -> (W_kb, W_vb)
     expert_bias: dict[int, np.ndarray]  # MoE layer -> [E]
 
     @classmethod
@@ -32,7 +31,6 @@ class CpuWeights:
         c = w.cfg
         return cls(
             conv={i: np.ascontiguousarray(w.kda_conv(i)) for i in c.kda_layers},
-            absorbed={i: w.mla_absorbed(i) for i in c.mla_layers},
             expert_bias={
                 i: np.array(w.expert_bias(i))
                 for i in range(c.num_hidden_layers)
@@ -130,21 +128,12 @@ class Model:
         c = self.config
         inp = self.stages.mla_input(i, x)
         cos, sin = rope_angles(positions, c.qk_rope_head_dim, c.rope_theta)
-        q_rope = apply_rope(inp.q[:, :, c.qk_nope_head_dim :], cos, sin)
+        q_rope = apply_rope(inp.q_rope, cos, sin)
         k_rope = apply_rope(inp.k_rope, cos, sin)
         cache = state.latents[i]
         cache.append(np.concatenate([inp.latent, k_rope], axis=1))
-        w_kb, w_vb = self.cpu.absorbed[i]
-        attn = mla_attention(
-            inp.q[:, :, : c.qk_nope_head_dim],
-            q_rope,
-            cache.blocks(),
-            cache.length,
-            w_kb,
-            w_vb,
-            self._scale,
-        )
-        return self.stages.mla_output(i, x, attn, inp.gate)
+        ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length, self._scale)
+        return self.stages.mla_output(i, x, ctx, inp.gate)
 
     def _moe(self, i: int, out) -> np.ndarray:
         c = self.config

@@ -100,6 +100,7 @@ class CheckpointWeights:
             q_a_norm=q_a_norm,
             q_b=q_b,
             kv_a_norm=self._t(a + "kv_a_layernorm.weight", c.kv_lora_rank),
+            w_kb=self.mla_absorbed(i)[0],
         )
 
     def mla_absorbed(self, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,15 +116,18 @@ class CheckpointWeights:
         c, a = self.cfg, f"model.layers.{i}.attention."
         d = c.hidden_size
         if c.layer_kinds[i] == "kda":
+            w_vb = None
             o_norm = self._t(a + "o_norm.weight", c.kda_head_dim)
             o_proj = self._first((a + "o_proj.weight", a + "dense.weight"), d, self._p)
         else:
             o_norm = None
+            w_vb = self.mla_absorbed(i)[1]
             width = c.num_attention_heads * c.v_head_dim
             o_proj = self._first((a + "dense.weight", a + "o_proj.weight"), d, width)
         return OutputWeights(
             o_norm=o_norm,
             o_proj=o_proj,
+            w_vb=w_vb,
             post_norm=self._t(f"model.layers.{i}.post_attention_layernorm.weight", d),
             ffn=self._moe_stage(i) if c.is_moe_layer(i) else self._dense_ffn(i),
         )
