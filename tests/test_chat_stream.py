@@ -92,7 +92,7 @@ PIECES = [
 
 @settings(max_examples=400, deadline=None)
 @given(
-    st.lists(st.sampled_from(PIECES), max_size=30).map("".join),
+    st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=4)), max_size=30).map("".join),
     st.data(),
     st.booleans(),
     st.booleans(),
