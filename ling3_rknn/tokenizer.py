@@ -7,6 +7,10 @@ text can never close a turn or fake a call. For text that spells no special toke
 exactly what ``tokenizers`` gives for the whole rendered string (the text between two special
 tokens is encoded as one piece, the same split the library makes itself).
 
+CONTROL text is matched against the added-token table by exact spelling; the ``lstrip``,
+``rstrip`` and ``single_word`` flags of added tokens are not applied (they are false for the
+chat markers in Ling-style tokenizers; the goldens test pins the ids to the library's own).
+
 Decoding uses a byte table built from the vocabulary instead of ``tokenizers.decode`` so that a
 stream of ids can be turned into text incrementally without ever emitting half a UTF-8
 character; tests pin it to the library's own decode.
