@@ -214,3 +214,22 @@ async def test_persisted_prefix_is_reused_after_restart_and_foreign_files_are_dr
         with safe_open(str(f), framework="numpy") as handle:
             owners.add(handle.metadata()["fingerprint"])
     assert owners == {model_fingerprint(model.config, "bundle-2")}
+
+
+async def test_same_config_different_weights_never_share_persisted_snapshots(
+    model, tok, tmp_path_factory
+):
+    """No weights identity given: the engine's probe digest still tells the models apart."""
+    cache = tmp_path_factory.mktemp("cache")
+    other = Model.from_hf(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny2"), seed=1))
+    segments = render([SYSTEM, {"role": "user", "content": "hi"}], TOOLS, enable_thinking=False)
+    with engine_for(SpyModel(model), tok, cache_dir=cache) as engine:
+        await run(engine, segments, 2)
+    assert list(cache.glob("*.l3snap"))
+    with engine_for(SpyModel(model), tok, cache_dir=cache) as engine:
+        fin, _ = await run(engine, segments, 2)
+    assert fin.usage.cached_tokens == fin.usage.prompt_tokens  # same weights: reused
+    with engine_for(SpyModel(other), tok, cache_dir=cache) as engine:
+        assert engine.stats().cache_entries == 0
+        fin, _ = await run(engine, segments, 2)
+    assert fin.usage.cached_tokens == 0

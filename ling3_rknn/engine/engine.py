@@ -9,6 +9,7 @@ cross from the worker to the consuming coroutine through ``call_soon_threadsafe`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import queue
@@ -55,7 +56,7 @@ class Engine:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_disk_bytes: int | None = None,
-        weights_identity: str = "",
+        weights_identity: str | None = None,
         generation_defaults: SamplingParams = LING3_GENERATION_DEFAULTS,
         max_queue: int = 16,
         prefill_chunk: int = 64,
@@ -104,7 +105,7 @@ class Engine:
         cache_bytes: int,
         cache_dir: str | os.PathLike[str] | None,
         cache_disk_bytes: int | None,
-        weights_identity: str,
+        weights_identity: str | None,
         snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None,
     ) -> PrefixCache | None:
         if cache_bytes <= 0:
@@ -113,6 +114,8 @@ class Engine:
             return PrefixCache(cache_bytes)
         if snapshot_from_arrays is None:
             snapshot_from_arrays = _model_snapshot_reader(model)
+        if weights_identity is None:
+            weights_identity = probe_identity(model)
         store = SnapshotStore(cache_dir, model_fingerprint(model.config, weights_identity))
         return PrefixCache(
             cache_bytes,
@@ -265,6 +268,18 @@ class Engine:
                 with self._admission:
                     self._in_flight -= 1
                     self._admission.notify_all()
+
+
+def probe_identity(model: ModelLike, probe_tokens: int = 8) -> str:
+    """Identity of the weights when the caller gives none (e.g. no bundle manifest hash):
+    a digest of the logits of a fixed probe sequence. Two checkpoints with the same config
+    but different weights must never share persisted snapshots; this tells them apart for
+    the price of one tiny forward pass at start-up."""
+    vocab = int(model.config.vocab_size)
+    ids = list(range(min(probe_tokens, vocab)))
+    logits = np.asarray(model.forward(ids, model.new_state()), dtype=np.float64)
+    digest = hashlib.sha256(np.round(logits, 4).tobytes()).hexdigest()
+    return f"probe-logits:{digest}"
 
 
 def _eos_text(tokenizer: TokenizerLike) -> str:

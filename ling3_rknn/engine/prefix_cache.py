@@ -392,19 +392,14 @@ class PrefixCache:
     def _persist(
         self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any, note: str
     ) -> None:
-        assert self._to_arrays is not None
-        try:
-            arrays = self._to_arrays(snapshot)
-        except Exception as exc:
-            log.warning("prefix cache: snapshot cannot be exported: %s", exc)
-            with self._lock:
-                entry.writing = False
-            return
+        """Queue a disk write. Snapshots are immutable, so the (possibly large) export to
+        arrays happens on the writer thread, off the request path."""
+        item = (entry, key, row, snapshot, note)
         if self._sync_writes:
-            self._write_one(entry, key, row, arrays, note)
+            self._write_one(*item)
             return
         try:
-            self._writes.put_nowait((entry, key, row, arrays, note))
+            self._writes.put_nowait(item)
         except queue.Full:
             log.info("prefix cache: disk writer busy; snapshot kept in memory only")
             with self._lock:
@@ -421,12 +416,12 @@ class PrefixCache:
                 self._writes.task_done()
 
     def _write_one(
-        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, arrays: Any, note: str
+        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any, note: str
     ) -> None:
-        assert self._store is not None
+        assert self._store is not None and self._to_arrays is not None
         try:
-            stored = self._store.write(key, row, arrays, note)
-        except Exception as exc:  # disk full, permissions: the cache stays memory-only
+            stored = self._store.write(key, row, self._to_arrays(snapshot), note)
+        except Exception as exc:  # disk full, permissions, export: stays memory-only
             log.warning("prefix cache: cannot write snapshot: %s", exc)
             stored = None
         with self._lock:
