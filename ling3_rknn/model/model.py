@@ -15,7 +15,7 @@ from .checkpoint import Checkpoint
 from .kda import kda_core, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
 from .moe import ExpertBackend, NumpyExperts, route
-from .state import SequenceState, StateError
+from .state import SequenceState, StateError, StateLayout
 from .weights import CheckpointWeights
 
 
@@ -55,6 +55,7 @@ class Model:
         self.experts = experts
         self.cpu = cpu
         self._scale = float(config.qk_head_dim) ** -0.5
+        self._layout = StateLayout.from_config(config)
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike[str]) -> Model:
@@ -89,9 +90,7 @@ class Model:
         advancing ``state`` by T tokens. Raises ValueError for empty or out-of-range input
         before touching the state."""
         ids = self._check_ids(token_ids)
-        if state.layout.kda_layers != self.config.kda_layers or state.layout.mla_layers != (
-            self.config.mla_layers
-        ):
+        if state.layout != self._layout:
             raise ValueError("state belongs to a model with a different layout")
         state.check_usable()
         end = state.length + len(ids)
