@@ -214,14 +214,6 @@ def test_stage_in_simulator(tmp_path, case_name, quant):
             assert r["cos"] >= 0.9999, r
 
 
-def test_w8a8_without_calibration_is_refused(tmp_path):
-    b = GraphBuilder("tiny")
-    b.output(b.sigmoid(b.input("x", [1, 1, 8])), "y")
-    onnx.save(b.build(), str(tmp_path / "t.onnx"))
-    with pytest.raises(ValueError, match="calibration"):
-        build_rknn(tmp_path / "t.onnx", tmp_path / "t.rknn", "w8a8")
-
-
 def test_toolkit_errors_are_typed_and_leave_no_rknn(tmp_path):
     b = GraphBuilder("tiny")
     b.output(b.sigmoid(b.input("x", [1, 1, 8])), "y")
