@@ -182,3 +182,17 @@ def test_top_k_ids_with_a_masked_full_size_vocabulary():
     want = np.lexsort((np.arange(x.size), -x))[:40]
     np.testing.assert_array_equal(top_k_ids(x, 40), want)
     np.testing.assert_array_equal(top_k_ids(x, 20), want[:20])
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.3])
+def test_bucketed_nucleus_matches_reference(min_p):
+    """A flat distribution where the top-64 guess is not enough: the bucketed path."""
+    x = (np.random.default_rng(11).standard_normal(3000) * 0.5).astype(np.float32)
+    s = SamplerSettings(temperature=0.8, top_p=0.5, min_p=min_p, seed=4)
+    want = reference_distribution(x, s)
+    assert np.count_nonzero(want) > 64
+    got = empirical(x, s, 30000)
+    support = set(np.flatnonzero(want))
+    assert set(np.flatnonzero(got)) <= support
+    assert len(set(np.flatnonzero(got))) > 0.9 * len(support)
+    assert np.abs(got - want).max() < 0.004

@@ -20,6 +20,8 @@ from .api import InvalidRequest, SamplingParams
 
 _BLOCK = 256  # block size of the block-maximum bound used for partial selection
 _TOP_P_FIRST_GUESS = 64  # candidates tried first when top-p runs without top-k
+_BUCKETS = 4096  # probability buckets of the top-p search over the whole vocabulary
+_Z_FLOOR = 40.0  # scaled logits below -40 share the lowest bucket (mass < V * e^-40)
 
 # Ling-3.0-tiny's generation_config.json (ling3-model.md section 8).
 LING3_GENERATION_DEFAULTS = SamplingParams(temperature=1.0, top_p=0.95, top_k=20)
@@ -222,8 +224,7 @@ class Sampler:
             p = np.exp(z)
             probs = p / p.sum()
         elif s.top_p < 1.0:
-            candidates, z, probs = self._top_p_candidates(x)
-            p = np.exp(z)
+            return self._sample_top_p_full(x)
         else:  # min-p alone: every token within the min-p ratio of the best one
             x_max = float(np.max(x))
             pool = np.flatnonzero(x >= np.float32(x_max + t * math.log(s.min_p)))
@@ -240,19 +241,46 @@ class Sampler:
             keep = max(1, min(keep, int(np.count_nonzero(z >= math.log(s.min_p)))))
         return int(candidates[self._draw(p[:keep])])
 
-    def _top_p_candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Grow a top-m candidate set until it holds the top-p mass of the full softmax."""
-        t = self.settings.temperature
+    def _sample_top_p_full(self, x: np.ndarray) -> int:
+        """Top-p (and min-p) without top-k: the nucleus can be most of the vocabulary.
+
+        First try the top 64 tokens (enough for peaked distributions); otherwise bucket the
+        probabilities by scaled logit, find the bucket where the cumulative mass crosses
+        top-p, and rank only the tokens inside that one bucket.
+        """
+        s = self.settings
+        t = s.temperature
         x_max = float(np.max(x))
-        # Normaliser over the whole vocabulary, in float32 then summed in float64.
-        full = np.exp((x - np.float32(x_max)) / np.float32(t)).astype(np.float64)
-        normaliser = float(full.sum())
-        m = _TOP_P_FIRST_GUESS
-        n = x.shape[0]
-        while True:
-            candidates = top_k_ids(x, min(m, n))
-            z = (x[candidates].astype(np.float64) - x_max) / t
-            probs = np.exp(z) / normaliser
-            if m >= n or probs.sum() >= self.settings.top_p:
-                return candidates, z, probs
-            m *= 4
+        z_all = (x - np.float32(x_max)) / np.float32(t)  # <= 0
+        weights = np.exp(z_all)
+        normaliser = float(weights.sum(dtype=np.float64))
+        if not (math.isfinite(normaliser) and normaliser > 0.0):
+            raise FloatingPointError("logits are not finite")
+        head = top_k_ids(x, min(_TOP_P_FIRST_GUESS, x.shape[0]))
+        z = z_all[head].astype(np.float64)
+        probs = np.exp(z) / normaliser
+        if probs.sum() >= s.top_p:
+            exclusive = np.cumsum(probs) - probs
+            keep = max(1, int(np.count_nonzero(exclusive < s.top_p)))
+            if s.min_p > 0.0:
+                keep = max(1, min(keep, int(np.count_nonzero(z >= math.log(s.min_p)))))
+            return int(head[self._draw(np.exp(z[:keep]))])
+        # Bucketed nucleus: tokens below z = -_Z_FLOOR carry < V * e^-40 of the mass.
+        scale = _BUCKETS / _Z_FLOOR
+        bucket = np.clip(((z_all + _Z_FLOOR) * scale).astype(np.int64), 0, _BUCKETS - 1)
+        mass = np.bincount(bucket, weights=weights, minlength=_BUCKETS) / normaliser
+        above = np.cumsum(mass[::-1])[::-1] - mass  # mass in strictly higher buckets
+        cut = int(np.flatnonzero(above < s.top_p)[0])  # lowest bucket that is reached
+        kept = np.flatnonzero(bucket > cut)
+        edge = np.flatnonzero(bucket == cut)
+        edge = edge[np.lexsort((edge, -x[edge]))]
+        edge_probs = weights[edge].astype(np.float64) / normaliser
+        exclusive = above[cut] + np.cumsum(edge_probs) - edge_probs
+        edge = edge[: max(1, int(np.count_nonzero(exclusive < s.top_p)))]
+        chosen = np.concatenate([kept, edge])
+        if s.min_p > 0.0:
+            chosen = chosen[z_all[chosen] >= math.log(s.min_p)]
+            if chosen.size == 0:
+                chosen = top_k_ids(x, 1)
+        chosen.sort()
+        return int(chosen[self._draw(weights[chosen].astype(np.float64))])
