@@ -168,7 +168,10 @@ class Engine:
             self._waiting += 1
         admitted = True
         try:
-            prompt = await asyncio.to_thread(self._encoder.encode, list(request.prompt))
+            try:
+                prompt = await asyncio.to_thread(self._encoder.encode, list(request.prompt))
+            except (ValueError, TypeError, AttributeError) as exc:  # e.g. TokenizerError
+                raise InvalidRequest(f"the prompt cannot be encoded: {exc}") from exc
             if not prompt.ids:
                 raise InvalidRequest("the prompt is empty")
             if len(prompt.ids) >= self.max_context:
@@ -233,6 +236,10 @@ class Engine:
                 break
             if job is not None:
                 job.emit(EngineFailure("the engine is shutting down"))
+                with self._admission:
+                    self._waiting -= 1
+                    self._in_flight -= 1
+                    self._admission.notify_all()
         current = self._current
         if current is not None:
             current.cancel.set()
