@@ -10,6 +10,7 @@ from ling3_rknn.npu.executors import (
     resolve_rknnlite,
 )
 from ling3_rknn.npu.experts import ExpertExecutor, FloatExperts, PackedExperts, QMoeExperts
+from ling3_rknn.npu.loader import open_experts, open_stage
 from ling3_rknn.npu.rknnlite_mock import MockRKNNLite
 
 __all__ = [
@@ -26,5 +27,7 @@ __all__ = [
     "QMoeExperts",
     "RknnLiteExecutor",
     "check_inputs",
+    "open_experts",
+    "open_stage",
     "resolve_rknnlite",
 ]
