@@ -57,7 +57,8 @@ def test_short_conv_in_pieces_equals_whole():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((30, 12)).astype(F32)
     kernel = rng.standard_normal((12, 4)).astype(F32)
-    whole, tail = short_conv(x, np.zeros((3, 12), F32), kernel)
+    taps = np.ascontiguousarray(kernel.T)
+    whole, tail = short_conv(x, np.zeros((3, 12), F32), taps)
     # literal causal conv with zero history
     pad = np.concatenate([np.zeros((3, 12), F32), x])
     lit = sum(pad[j : j + 30] * kernel[:, j] for j in range(4))
@@ -65,7 +66,7 @@ def test_short_conv_in_pieces_equals_whole():
     np.testing.assert_array_equal(tail, x[-3:])
     t, parts = np.zeros((3, 12), F32), []
     for a, b in ((0, 1), (1, 2), (2, 17), (17, 30)):
-        out, t = short_conv(x[a:b], t, kernel)
+        out, t = short_conv(x[a:b], t, taps)
         parts.append(out)
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-6)
 

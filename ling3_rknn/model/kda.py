@@ -16,26 +16,28 @@ CHUNK = 64
 _MIN_CHUNKED_TOKENS = 16
 
 
-def short_conv(
-    x: np.ndarray, tail: np.ndarray, kernel: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def short_conv(x: np.ndarray, tail: np.ndarray, taps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Depthwise causal conv + SiLU over [T, C] given the previous K-1 inputs ``tail``.
 
-    ``kernel`` is [C, K]; the last tap multiplies the current token. Returns the activated
-    output [T, C] and the new tail (the last K-1 inputs, a fresh array).
+    ``taps`` is [K, C] (tap-major, so every tap is a contiguous row); the last tap multiplies
+    the current token. Returns the activated output [T, C] and the new tail (a fresh array).
     """
     t = x.shape[0]
-    k = kernel.shape[1]
+    k = taps.shape[0]
     buf = np.concatenate([tail, x], axis=0)
-    out = buf[k - 1 :] * kernel[:, k - 1]
-    for j in range(k - 1):  # K = 4 taps: a loop over taps, each a vectorised [T, C] product
-        out += buf[j : j + t] * kernel[:, j]
+    if t == 1:  # decode: one [K, C] product and a reduction over the taps
+        out = np.einsum("kc,kc->c", buf, taps)[None, :]
+    else:
+        out = buf[k - 1 :] * taps[k - 1]
+        for j in range(k - 1):  # K = 4 taps: each a vectorised [T, C] product
+            out += buf[j : j + t] * taps[j]
     return silu(out), buf[t:].copy()
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
     """x / sqrt(sum(x^2) + 1e-6), the fla / transformers form (eps inside the root)."""
-    return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True) + 1e-6)
+    sq = np.einsum("...d,...d->...", x, x)[..., None]
+    return x / np.sqrt(sq + np.float32(1e-6))
 
 
 def prepare_qkv(conv_out: np.ndarray, num_heads: int, head_dim: int):

@@ -23,14 +23,14 @@ from .weights import CheckpointWeights
 class CpuWeights:
     """Weights the CPU glue needs (they never go to the NPU)."""
 
-    conv: dict[int, np.ndarray]  # KDA layer -> [3P, K]
+    conv: dict[int, np.ndarray]  # KDA layer -> conv taps [K, 3P] (tap-major)
     expert_bias: dict[int, np.ndarray]  # MoE layer -> [E]
 
     @classmethod
     def from_checkpoint(cls, w: CheckpointWeights) -> CpuWeights:
         c = w.cfg
         return cls(
-            conv={i: np.ascontiguousarray(w.kda_conv(i)) for i in c.kda_layers},
+            conv={i: np.ascontiguousarray(w.kda_conv(i).T) for i in c.kda_layers},
             expert_bias={
                 i: np.array(w.expert_bias(i))
                 for i in range(c.num_hidden_layers)

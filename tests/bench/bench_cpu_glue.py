@@ -56,7 +56,7 @@ class Glue:
         self.rng = rng
         self.state = SequenceState(cfg)
         f32 = np.float32
-        self.conv_kernel = rng.standard_normal((3 * P, 4)).astype(f32) * 0.5
+        self.conv_taps = rng.standard_normal((4, 3 * P)).astype(f32) * 0.5
         self.bias = (0.1 * rng.standard_normal(E)).astype(f32)
         for i in cfg.kda_layers:
             s = self.state.recurrent[i]
@@ -81,7 +81,7 @@ class Glue:
 
         t0, c0 = time.perf_counter(), time.process_time()
         for i in self.cfg.kda_layers:
-            out, st.conv[i] = short_conv(qkv, st.conv[i], self.conv_kernel)
+            out, st.conv[i] = short_conv(qkv, st.conv[i], self.conv_taps)
             q, k, v = prepare_qkv(out, H, DK)
             kda_core(q, k, v, g, beta, st.recurrent[i])
         t1, c1 = time.perf_counter(), time.process_time()
