@@ -7,9 +7,14 @@ and greedy generation. Tolerance 1e-4 max abs (float32 on both sides).
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import numpy as np
 import pytest
 from conftest import ORACLE_DIR, ORACLE_FIXTURES
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ling3_rknn.model import Model, StateSnapshot
 
@@ -116,3 +121,21 @@ def test_last_only_matches_full(oracle):
     last = model.forward(ref["input_ids"][:40], model.new_state(), last_only=True)
     assert last.shape == (1, model.config.vocab_size)
     assert max_err(last, ref["logits_full"][39:40]) < TOL
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(cuts=st.lists(st.integers(1, 149), max_size=6, unique=True))
+def test_any_split_gives_the_same_logits(cuts):
+    model, ref = _first_oracle()
+    bounds = [0, *sorted(cuts), len(ref["input_ids"])]
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    assert max_err(run_pieces(model, ref["input_ids"], sizes), ref["logits_full"]) < TOL
+
+
+@functools.cache
+def _first_oracle():
+    path = ORACLE_DIR / ORACLE_FIXTURES[1]
+    with np.load(path / "reference.npz") as ref:
+        return Model.from_hf(path), {k: ref[k] for k in ref.files}
