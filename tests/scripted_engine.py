@@ -59,6 +59,7 @@ class ScriptedEngine:
         self.started = 0
         self.completed = 0
         self.cancelled = 0
+        self.closed = 0
         self.max_waiting = 8
         self._waiting = 0
         self._lock: asyncio.Lock | None = None
@@ -70,6 +71,9 @@ class ScriptedEngine:
     @property
     def ready(self) -> bool:
         return self.is_ready
+
+    def close(self) -> None:
+        self.closed += 1
 
     def push(self, *pieces: str, **options: object) -> Script:
         script = Script(pieces=list(pieces), **options)  # type: ignore[arg-type]

@@ -26,12 +26,15 @@ USER = [{"role": "user", "content": "Write a haiku about the NPU."}]
 @pytest.fixture
 async def client_and_engine():
     engine = load_demo_engine(model_id="ling-3.0-tiny", max_context=256)
-    async with running_server(engine) as srv:
-        client = openai.AsyncOpenAI(base_url=srv.v1, api_key="none", max_retries=0)
-        try:
-            yield client, engine, srv
-        finally:
-            await client.close()
+    try:
+        async with running_server(engine) as srv:
+            client = openai.AsyncOpenAI(base_url=srv.v1, api_key="none", max_retries=0)
+            try:
+                yield client, engine, srv
+            finally:
+                await client.close()
+    finally:
+        await asyncio.to_thread(engine.close)
 
 
 async def test_real_engine_non_stream_stream_and_prefix_cache(client_and_engine):

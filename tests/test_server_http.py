@@ -631,3 +631,24 @@ async def test_engine_refusing_synchronously_is_still_a_typed_error():
             assert status == 503
             assert headers["Retry-After"]
             assert "already waiting" in error_of(text)["message"]
+
+
+async def test_engine_loaded_by_the_app_is_closed_at_shutdown():
+    loaded, handed_in = ScriptedEngine(), ScriptedEngine()
+    async with running_server(loader=lambda: loaded) as srv:
+        await wait_for(lambda: srv.holder.engine is loaded)
+    async with running_server(handed_in):
+        pass
+    assert loaded.closed == 1
+    assert handed_in.closed == 0
+
+
+async def test_engine_that_stopped_being_ready_is_503(engine):
+    engine.is_ready = False
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        status, headers, text = await post(s, srv.v1 + "/chat/completions", chat_body())
+        async with s.get(srv.base + "/health") as r:
+            health = r.status, await r.json()
+    assert status == 503 and headers["Retry-After"]
+    assert error_of(text)["code"] == "model_unavailable"
+    assert health == (503, {"status": "unavailable"})

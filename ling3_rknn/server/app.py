@@ -69,8 +69,16 @@ class EngineHolder:
         self.created = int(time.time())
 
     def require(self) -> EngineProtocol:
-        if self.engine is None or not self.engine.ready:
+        if self.engine is None:
             raise errors.loading()
+        if not self.engine.ready:
+            raise errors.ApiError(
+                503,
+                "The model is not available.",
+                type="server_error",
+                code="model_unavailable",
+                headers={"Retry-After": "5"},
+            )
         return self.engine
 
 
@@ -139,8 +147,10 @@ async def _health(request: web.Request) -> web.Response:
     holder = request.app[_ENGINE]
     if holder.load_error is not None:
         return web.json_response({"status": "error", "error": holder.load_error}, status=503)
-    if holder.engine is None or not holder.engine.ready:
+    if holder.engine is None:
         return web.json_response({"status": "loading"}, status=503)
+    if not holder.engine.ready:
+        return web.json_response({"status": "unavailable"}, status=503)
     return web.json_response({"status": "ok", "model": holder.engine.model_id})
 
 
@@ -359,10 +369,18 @@ def _loader_context(
         if loader is not None:
             task = asyncio.create_task(load())
         yield
-        if task is not None and not task.done():
+        if task is None:
+            return  # the engine was handed in; its owner closes it
+        if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # The app loaded the engine, so it closes it: stop the worker, flush the prefix
+        # cache to disk so a restarted service keeps its warm prompts.
+        close = getattr(holder.engine, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+            log.info("engine closed")
 
     return context
 
