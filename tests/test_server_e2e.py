@@ -166,3 +166,41 @@ def test_cli_exits_non_zero_when_the_model_cannot_load(tmp_path):
             process.kill()
     assert process.returncode == 1
     assert "model failed to load" in err
+
+
+async def test_cli_prefix_cache_survives_a_restart(tmp_path):
+    """SIGTERM flushes the prefix cache to --cache-dir; the restarted service answers the
+    same agent prompt from it instead of evaluating it again."""
+    payload = {
+        "model": "ling-3.0-tiny-demo",
+        "messages": [
+            {"role": "system", "content": "You are a careful coding agent. " * 20},
+            {"role": "user", "content": "List the files."},
+        ],
+        "max_tokens": 2,
+    }
+    cached = []
+    for _ in range(2):
+        process = _start_cli("--demo", "--port", "0", "--cache-dir", str(tmp_path / "cache"))
+        try:
+            port = await asyncio.to_thread(_wait_for_port, process)
+            base = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as session:
+                for _ in range(500):
+                    async with session.get(base + "/health") as r:
+                        if r.status == 200:
+                            break
+                    await asyncio.sleep(0.02)
+                async with session.post(base + "/v1/chat/completions", json=payload) as r:
+                    assert r.status == 200
+                    usage = (await r.json())["usage"]
+            cached.append((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(process.wait, 20) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    (prompt_tokens, cold), (_, warm) = cached
+    assert cold == 0
+    assert warm > prompt_tokens // 2
