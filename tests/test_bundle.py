@@ -264,3 +264,45 @@ def test_path_refuses_unlisted_files(bundle_dir):
 def test_writer_refuses_escaping_paths(tmp_path):
     with BundleWriter(tmp_path / "b") as w, pytest.raises(ManifestError):
         w.write_bytes("../evil", b"x")
+
+
+def test_resumable_conversion_keeps_completed_files_only(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError), BundleWriter(target, resume=True) as w:
+        w.write_bytes("tokenizer.json", b"{}")
+        w.write_bytes("chat_template.jinja", TEMPLATE)
+        w.path("weights.safetensors").write_bytes(b"half-writ")  # died mid-write
+        raise RuntimeError("killed")
+    assert not target.exists() and (tmp_path / ".out.partial").is_dir()
+    with pytest.raises(IncompleteBundleError):
+        Bundle.open(tmp_path / ".out.partial")
+
+    with BundleWriter(target, resume=True) as w:
+        assert w.done("tokenizer.json") and w.done("chat_template.jinja")
+        assert not w.done("weights.safetensors")
+        assert not (w.workdir / "weights.safetensors").exists()  # the torn file is gone
+        w.write_bytes("weights.safetensors", b"W" * 1000)
+        w.path("stages/layer0.in.onnx").write_bytes(b"onnx-bytes")
+        w.record("stages/layer0.in.onnx")
+        w.write_bytes("stages/layer0.in.rknn", b"rknn-bytes!")
+        w.write_bytes("experts/layer1.safetensors", b"E" * 5000)
+        w.write_bytes("experts/layer1.onnx", b"qmoe")
+        w.commit(manifest_body())
+    b = Bundle.open(target, verify="full", expected_template_sha256=TEMPLATE_SHA)
+    assert ".journal.jsonl" not in b.manifest.files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_resume_drops_journal_entries_whose_file_changed(tmp_path):
+    with pytest.raises(RuntimeError), BundleWriter(tmp_path / "o", resume=True) as w:
+        w.write_bytes("tokenizer.json", b"{}")
+        w.write_bytes("weights.safetensors", b"abc")
+        raise RuntimeError
+    (tmp_path / ".o.partial" / "weights.safetensors").write_bytes(b"abcd")
+    with open(tmp_path / ".o.partial" / ".journal.jsonl", "a") as f:
+        f.write('{"path": "torn')  # a crash in the middle of a journal line
+    with BundleWriter(tmp_path / "o", resume=True) as w:
+        assert w.done("tokenizer.json") and not w.done("weights.safetensors")
+        assert not (w.workdir / "weights.safetensors").exists()
+    with pytest.raises(MissingFileError), BundleWriter(tmp_path / "p") as w:
+        w.record("never-written.bin")
