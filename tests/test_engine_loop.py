@@ -339,3 +339,34 @@ def test_close_is_idempotent_and_refuses_new_work(tok):
             await anext(engine.generate(GenerationRequest(prompt(), GREEDY)))
 
     asyncio.run(go())
+
+
+def long_prompt(first: str, last: str) -> list[Segment]:
+    return [
+        C("<role>SYSTEM</role>"),
+        T("be brief"),
+        C("<|role_end|><role>HUMAN</role>"),
+        T(first),
+        C("<|role_end|><role>ASSISTANT</role>"),
+        T("sure"),
+        C("<|role_end|><role>HUMAN</role>"),
+        T(last),
+        C("<|role_end|><role>ASSISTANT</role>"),
+    ]
+
+
+async def test_boundary_snapshots_cover_header_and_last_message(tok):
+    engine, _ = make_engine(tok)
+    base = long_prompt("first question", "last question")
+    ids = tok.encode_segments(base)
+    ends = [i + 1 for i, t in enumerate(ids) if t == tok.eos_id]
+    with engine:
+        await collect(engine, GenerationRequest(base, GREEDY))
+        _, edited_last = await collect(
+            engine, GenerationRequest(long_prompt("first question", "other"), GREEDY)
+        )
+        _, edited_first = await collect(
+            engine, GenerationRequest(long_prompt("other", "last question"), GREEDY)
+        )
+    assert edited_last.usage.cached_tokens == ends[2]  # start of the last user message
+    assert edited_first.usage.cached_tokens == ends[0]  # end of the system header

@@ -210,13 +210,18 @@ class Runner:
         return hit.depth, (hit.logits if hit.depth == len(ids) else None)
 
     def _checkpoints(self, ids: list[int], depth: int) -> list[int]:
-        """Turn boundaries (just after an end-of-turn id) worth a snapshot, then the end."""
+        """Turn boundaries (just after an end-of-turn id) worth a snapshot, then the end.
+
+        The first boundary ends the system/tools header (shared by every conversation with
+        the same tools); the last two start the final messages (an edited or regenerated
+        last turn resumes there). Boundaries closer than ``checkpoint_min_tokens`` to the
+        resume point, to each other or to the end of the prompt are skipped."""
         gap = self._options.checkpoint_min_tokens
         boundaries = [
             p + 1 for p, t in enumerate(ids[:-1]) if t == self._eos_id and p + 1 > depth
         ]
         chosen: list[int] = []
-        for p in (boundaries[:1] + boundaries[-1:]) if boundaries else []:
+        for p in sorted(set(boundaries[:1] + boundaries[-2:])):
             last = chosen[-1] if chosen else depth
             if p - last >= gap and len(ids) - p >= gap and p not in chosen:
                 chosen.append(p)
