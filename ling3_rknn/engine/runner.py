@@ -217,11 +217,11 @@ class Runner:
         last turn resumes there). Boundaries closer than ``checkpoint_min_tokens`` to the
         resume point, to each other or to the end of the prompt are skipped."""
         gap = self._options.checkpoint_min_tokens
-        boundaries = [
-            p + 1 for p, t in enumerate(ids[:-1]) if t == self._eos_id and p + 1 > depth
-        ]
+        boundaries = [p + 1 for p, t in enumerate(ids[:-1]) if t == self._eos_id]
         chosen: list[int] = []
         for p in sorted(set(boundaries[:1] + boundaries[-2:])):
+            if p <= depth:
+                continue
             last = chosen[-1] if chosen else depth
             if p - last >= gap and len(ids) - p >= gap and p not in chosen:
                 chosen.append(p)
