@@ -303,9 +303,9 @@ async def _stream_events(
     metrics.time_to_first_token.observe(time.monotonic() - started)
     async for event in completion.events():
         if isinstance(event, ContentOut):
-            await writer.send(chunks.content(event.text))
+            await writer.write(chunks.content_event(event.text))
         elif isinstance(event, ReasoningOut):
-            await writer.send(chunks.reasoning(event.text))
+            await writer.write(chunks.reasoning_event(event.text))
         elif isinstance(event, ToolCallOut):
             await writer.send(chunks.tool_call(event))
         else:

@@ -3,6 +3,7 @@ plain dicts so the hot streaming path is one ``json.dumps`` per chunk."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any
 
 from ling3_rknn.engine.api import Usage
 from ling3_rknn.server.completion import ToolCallOut
+from ling3_rknn.server.sse import encode_event
 
 
 def new_completion_id() -> str:
@@ -74,6 +76,12 @@ class ChunkFactory:
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        # Text deltas are the hot path (one per token): the frame around the delta is
+        # encoded once, so each token costs one json.dumps of its text only. The bytes are
+        # identical to encode_event(self._chunk(delta)) (tested).
+        marker = {"__delta__": 0}
+        head, tail = encode_event(self._chunk(marker)).split(json.dumps(marker).encode())
+        self._head, self._tail = head, tail
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
@@ -98,6 +106,16 @@ class ChunkFactory:
 
     def content(self, text: str) -> dict[str, Any]:
         return self._chunk({"content": text})
+
+    def reasoning_event(self, text: str) -> bytes:
+        return self._text_event(b"reasoning_content", text)
+
+    def content_event(self, text: str) -> bytes:
+        return self._text_event(b"content", text)
+
+    def _text_event(self, field: bytes, text: str) -> bytes:
+        value = json.dumps(text, ensure_ascii=False).encode()
+        return b"".join((self._head, b'{"', field, b'": ', value, b"}", self._tail))
 
     def tool_call(self, call: ToolCallOut) -> dict[str, Any]:
         return self._chunk({"tool_calls": [{"index": call.index, **tool_call_body(call)}]})
