@@ -250,7 +250,11 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
         if first.done():
             first.result()  # the engine's up-front refusals become plain HTTP errors
         response = web.StreamResponse(headers=SseWriter.headers(request[_RID]))
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionError:  # the client left while the engine was starting
+            metrics.disconnects.inc()
+            return response
         writer = SseWriter(response, config.keep_alive_s)
         writer.start_keep_alive()
         try:
