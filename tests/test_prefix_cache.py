@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from ling3_rknn.engine.prefix_cache import PrefixCache
@@ -257,3 +259,45 @@ def test_notes_survive_a_restart_and_a_tampered_note_drops_the_file(tmp_path):
     fresh = make(tmp_path)
     assert fresh.notes() == [] and fresh.paths() == [(3,)]
     assert not path.exists()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "lookup"]),
+            st.lists(st.integers(0, 3), min_size=1, max_size=7),
+        ),
+        max_size=40,
+    ),
+    capacity=st.integers(1, 6),
+)
+def test_trie_agrees_with_a_brute_force_model(ops, capacity):
+    """Random inserts and lookups (with evictions and trie splits/merges) against a plain
+    dict of token tuples: every lookup returns the deepest held prefix."""
+    c = make(max_bytes=capacity * entry_bytes())
+    for op, tokens in ops:
+        key = tuple(tokens)
+        if op == "insert":
+            c.insert(tokens, snap(len(key)), row(len(key)))
+        else:
+            held = set(c.paths())
+            prefixes = [key[:n] for n in range(len(key), 0, -1) if key[:n] in held]
+            hit = c.lookup(tokens)
+            if prefixes:
+                assert hit is not None and hit.depth == len(prefixes[0])
+                assert hit.snapshot.value[0] == len(prefixes[0])
+            else:
+                assert hit is None
+        assert len(c.paths()) <= capacity
+        assert c.counters().bytes_held == len(c.paths()) * entry_bytes()
+        assert_compact(c._root)
+
+
+def assert_compact(node, depth=0):
+    """Internal invariant: no empty leaves, no pass-through nodes, edges keyed correctly."""
+    for first, child in node.children.items():
+        assert child.edge and child.edge[0] == first and child.parent is node
+        assert child.depth == depth + len(child.edge)
+        assert child.entry is not None or len(child.children) >= 2
+        assert_compact(child, child.depth)
