@@ -301,3 +301,39 @@ def assert_compact(node, depth=0):
         assert child.depth == depth + len(child.edge)
         assert child.entry is not None or len(child.children) >= 2
         assert_compact(child, child.depth)
+
+
+@dataclass
+class SharingSnap:
+    """Like the model's snapshots: a private part plus latent blocks shared with others."""
+
+    private: np.ndarray
+    blocks: tuple[np.ndarray, ...]
+
+    @property
+    def private_nbytes(self) -> int:
+        return self.private.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.private.nbytes + sum(b.nbytes for b in self.blocks)
+
+    def shared_blocks(self) -> tuple[np.ndarray, ...]:
+        return self.blocks
+
+
+def test_shared_blocks_are_charged_once():
+    block_a = np.zeros(1000, np.float32)
+    block_b = np.zeros(1000, np.float32)
+    own = 100 * 4 + VOCAB * 4
+    c = make(max_bytes=10**6)
+    c.insert([1], SharingSnap(np.zeros(100, np.float32), (block_a,)), row(1))
+    c.insert([1, 2], SharingSnap(np.zeros(100, np.float32), (block_a, block_b)), row(2))
+    assert c.counters().bytes_held == 2 * own + 8000
+    c2 = make(max_bytes=2 * own + 8000)  # exactly enough for both thanks to sharing
+    c2.insert([1], SharingSnap(np.zeros(100, np.float32), (block_a,)), row(1))
+    c2.insert([1, 2], SharingSnap(np.zeros(100, np.float32), (block_a, block_b)), row(2))
+    assert c2.paths() == [(1,), (1, 2)]
+    c2.insert([7], SharingSnap(np.zeros(100, np.float32), ()), row(3))  # evicts the leaf
+    assert c2.paths() == [(1,), (7,)]
+    assert c2.counters().bytes_held == 2 * own + 4000  # block_b freed, block_a still held

@@ -9,11 +9,15 @@ at Ling's vocabulary, against ~20 MB of state), so a request whose whole prompt 
 can sample its first token without re-evaluating anything, and the next token's logits are
 the same numbers a cold evaluation produced when the snapshot was taken.
 
-Memory is bounded by bytes. Eviction is LRU among leaves first: an entry whose node has
-children in the trie is a prefix shared by longer conversations (typically the system and
-tools header), so it goes only after every leaf below it. With a ``SnapshotStore`` every
-snapshot is also written to disk by a background thread; an entry evicted from memory
-stays indexed as disk-only and is read back (and verified) when a request needs it.
+Memory is bounded by bytes. A snapshot type that reports the blocks it shares with other
+snapshots (``shared_blocks()``, e.g. the MLA latent prefix) is charged its private part
+plus each shared block once across the whole cache; otherwise it is charged ``nbytes``,
+everything it references (an upper bound). Eviction is LRU among leaves first: an entry
+whose node has children in the trie is a prefix shared by longer conversations (typically
+the system and tools header), so it goes only after every leaf below it. With a
+``SnapshotStore`` every snapshot is also written to disk by a background thread; an entry
+evicted from memory stays indexed as disk-only and is read back (and verified) when a
+request needs it.
 """
 
 from __future__ import annotations
@@ -104,6 +108,20 @@ class _Node:
         return tuple(t for edge in reversed(parts) for t in edge)
 
 
+def _shared_blocks(snapshot: Any) -> tuple[np.ndarray, ...]:
+    """Arrays a snapshot shares with others, if its type says so (``shared_blocks()``)."""
+    method = getattr(snapshot, "shared_blocks", None)
+    return tuple(method()) if callable(method) else ()
+
+
+def _own_nbytes(snapshot: Any) -> int:
+    """Bytes charged to a snapshot alone: its private part when it reports shared blocks
+    separately, otherwise everything it references (an upper bound)."""
+    if callable(getattr(snapshot, "shared_blocks", None)):
+        return int(snapshot.private_nbytes)
+    return int(snapshot.nbytes)
+
+
 def _common_length(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
     """Length of the common prefix of ``edge`` and ``tokens[start:]``."""
     n = min(len(edge), len(tokens) - start)
@@ -140,6 +158,9 @@ class PrefixCache:
         self._entries: set[_Entry] = set()
         self._tick = 0
         self._bytes = 0
+        # Blocks several snapshots reference (the MLA latent prefix): id -> [refs, block].
+        # Holding the block keeps its id from being reused while it is counted.
+        self._shared: dict[int, list[Any]] = {}
         self._disk_bytes = 0
         self._lookups = 0
         self._hits = 0
@@ -183,8 +204,7 @@ class PrefixCache:
         if not tokens:
             return False
         row = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
-        nbytes = int(snapshot.nbytes) + row.nbytes
-        if nbytes > self.max_bytes:
+        if _own_nbytes(snapshot) + row.nbytes > self.max_bytes:
             return False
         key = tuple(int(t) for t in tokens)
         with self._lock:
@@ -194,8 +214,7 @@ class PrefixCache:
                 entry = node.entry = _Entry(node)
                 self._entries.add(entry)
             if not entry.resident:
-                entry.snapshot, entry.logits, entry.nbytes = snapshot, row, nbytes
-                self._bytes += nbytes
+                self._make_resident(entry, snapshot, row)
             entry.note = note or entry.note
             self._touch(entry)
             self._evict_memory(keep=entry)
@@ -290,9 +309,7 @@ class PrefixCache:
     def _remove(self, entry: _Entry) -> None:
         """Forget an entry and prune the trie around its node."""
         self._entries.discard(entry)
-        if entry.resident:
-            self._bytes -= entry.nbytes
-        entry.snapshot = entry.logits = None
+        self._release(entry)
         node = entry.node
         node.entry = None
         while node.parent is not None and node.entry is None:
@@ -314,6 +331,32 @@ class PrefixCache:
         self._tick += 1
         entry.last_used = self._tick
 
+    def _make_resident(self, entry: _Entry, snapshot: Any, row: np.ndarray) -> None:
+        """Hold ``snapshot`` in memory, charging shared blocks once across all entries."""
+        entry.snapshot, entry.logits = snapshot, row
+        entry.nbytes = _own_nbytes(snapshot) + row.nbytes
+        self._bytes += entry.nbytes
+        for block in _shared_blocks(snapshot):
+            ref = self._shared.get(id(block))
+            if ref is None:
+                self._shared[id(block)] = [1, block]
+                self._bytes += block.nbytes
+            else:
+                ref[0] += 1
+
+    def _release(self, entry: _Entry) -> None:
+        """Drop an entry's in-memory snapshot (and any shared block nobody else holds)."""
+        if not entry.resident:
+            return
+        for block in _shared_blocks(entry.snapshot):
+            ref = self._shared[id(block)]
+            ref[0] -= 1
+            if ref[0] == 0:
+                del self._shared[id(block)]
+                self._bytes -= block.nbytes
+        self._bytes -= entry.nbytes
+        entry.snapshot = entry.logits = None
+
     @staticmethod
     def _eviction_key(entry: _Entry) -> tuple[bool, int]:
         return (bool(entry.node.children), entry.last_used)
@@ -325,8 +368,7 @@ class PrefixCache:
                 return
             victim = min(candidates, key=self._eviction_key)
             if victim.stored is not None or victim.writing:
-                self._bytes -= victim.nbytes
-                victim.snapshot = victim.logits = None  # stays indexed, on disk
+                self._release(victim)  # stays indexed, on disk
             else:
                 self._remove(victim)
 
@@ -382,10 +424,7 @@ class PrefixCache:
             self._drop_file(entry)
             self._remove(entry)
             return False
-        entry.snapshot = snapshot
-        entry.logits = np.asarray(loaded.logits, dtype=np.float32)
-        entry.nbytes = int(snapshot.nbytes) + entry.logits.nbytes
-        self._bytes += entry.nbytes
+        self._make_resident(entry, snapshot, np.asarray(loaded.logits, dtype=np.float32))
         self._evict_memory(keep=entry)
         return True
 
