@@ -64,6 +64,10 @@ def test_snapshot_shares_full_blocks_and_copies_the_tail(model):
         for _ in state.layout.kda_layers
     )
     assert s1.private_nbytes == kda + (600 % BLOCK_TOKENS) * per_token
+    shared = s1.shared_blocks()
+    assert len(shared) == (600 // BLOCK_TOKENS) * len(state.layout.mla_layers)
+    assert {id(b) for b in shared} == {id(b) for b in s2.shared_blocks()}
+    assert s1.nbytes == s1.private_nbytes + sum(b.nbytes for b in shared)
     assert s1.length == 600 and s2.length == 610
 
 

@@ -143,8 +143,12 @@ class StateSnapshot:
 
     @property
     def nbytes(self) -> int:
-        shared = sum(b.nbytes for s in self._latents.values() for b in s.frozen)
-        return self.private_nbytes + shared
+        return self.private_nbytes + sum(b.nbytes for b in self.shared_blocks())
+
+    def shared_blocks(self) -> tuple[np.ndarray, ...]:
+        """The frozen latent blocks this snapshot may share with others (read-only arrays;
+        a cache can charge each one once, keyed by identity)."""
+        return tuple(b for s in self._latents.values() for b in s.frozen)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Flat arrays for persistence (``np.savez``); ``from_arrays`` reads them back."""
