@@ -157,19 +157,22 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
     bundle_dir: Path = args.bundle
 
     def load_bundle() -> object:
+        from ling3_rknn.bundle import Bundle
+        from ling3_rknn.chat import TEMPLATE_SHA256
         from ling3_rknn.model import Model
         from ling3_rknn.tokenizer import Tokenizer
 
-        if not bundle_dir.is_dir():
-            raise FileNotFoundError(f"bundle directory not found: {bundle_dir}")
+        # Typed errors for a missing/incomplete/corrupt bundle; a template other than the
+        # one the renderer implements is a loud warning.
+        bundle = Bundle.open(bundle_dir, verify="size", expected_template_sha256=TEMPLATE_SHA256)
         from_bundle = getattr(Model, "from_bundle", None)
         if from_bundle is None:
             raise RuntimeError(
                 "this build cannot load bundles yet; serve an HF checkpoint with "
                 "--hf DIR --tokenizer FILE"
             )
-        tokenizer = Tokenizer.from_file(bundle_dir / "tokenizer.json")
-        return _engine(from_bundle(bundle_dir), tokenizer, options)
+        tokenizer = Tokenizer.from_file(bundle.path(bundle.manifest.tokenizer))
+        return _engine(from_bundle(bundle.root), tokenizer, options)
 
     return load_bundle
 

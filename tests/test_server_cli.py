@@ -61,9 +61,11 @@ def test_tokenizer_only_with_hf(capsys):
     assert "--tokenizer only applies to --hf" in capsys.readouterr().err
 
 
-def test_missing_bundle_exits_1(tmp_path, capsys):
+def test_missing_or_incomplete_bundle_exits_1(tmp_path, capsys):
     assert cli.main(["serve", "--bundle", str(tmp_path / "nope"), "--port", "0"]) == 1
-    assert "bundle directory not found" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["serve", "--bundle", str(tmp_path), "--port", "0"]) == 1
+    assert "no manifest.json" in capsys.readouterr().err
 
 
 def test_warns_when_exposed_without_key(monkeypatch, tmp_path, caplog):
