@@ -113,6 +113,8 @@ async def test_reasoning_is_split_out(engine):
     message = completion.choices[0].message
     assert extra(message, "reasoning_content") == "I should greet."
     assert message.content == "Hello!"
+    # one token per scripted piece: three were generated before the answer began
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 3
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(extra(d, "reasoning_content") or "" for d in deltas) == "I should greet."
     assert "".join(d.content or "" for d in deltas) == "Hello!"
@@ -134,6 +136,7 @@ async def test_thinking_off_puts_everything_in_content(engine):
         )
     assert completion.choices[0].message.content == "Just text."
     assert extra(completion.choices[0].message, "reasoning_content") is None
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 0
     prompt = "".join(s.text for s in engine.requests[0].prompt)
     assert prompt.endswith("<think></think>")
 
@@ -360,4 +363,4 @@ async def test_raw_bodies_validate_strictly_and_stream_matches_whole(engine, scr
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
     assert finish == [whole["choices"][0]["finish_reason"]]
-    assert chunks[-1].usage.total_tokens == whole["usage"]["total_tokens"]
+    assert events[-2]["usage"] == whole["usage"]  # the usage chunk, reasoning tokens included

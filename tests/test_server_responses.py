@@ -49,4 +49,5 @@ def test_message_content_is_null_only_with_tool_calls():
         "completion_tokens": 2,
         "total_tokens": 12,
         "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }

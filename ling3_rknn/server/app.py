@@ -234,7 +234,12 @@ async def _whole(request: web.Request, completion: Completion, model: str) -> we
     assert done is not None
     _log_completion(request, metrics, False, done, started)
     body = message.body(
-        new_completion_id(), model, int(time.time()), done.finish_reason, done.usage
+        new_completion_id(),
+        model,
+        int(time.time()),
+        done.finish_reason,
+        done.usage,
+        done.reasoning_tokens,
     )
     return web.json_response(body, headers={"X-Request-Id": request[_RID]})
 
@@ -315,7 +320,7 @@ async def _stream_events(
         else:
             await writer.send(chunks.finish(event.finish_reason))
             if chunks.include_usage:
-                await writer.send(chunks.usage(event.usage))
+                await writer.send(chunks.usage(event.usage, event.reasoning_tokens))
             await writer.write(DONE)
             _log_completion(request, metrics, True, event, started)
 

@@ -63,6 +63,9 @@ class ToolCallOut:
 class DoneOut:
     finish_reason: str  # "stop" | "length" | "tool_calls"
     usage: Usage
+    # Tokens generated before the first content or tool call was released: the reasoning
+    # block plus the few tokens of its closing marker.
+    reasoning_tokens: int = 0
 
 
 CompletionEvent = ReasoningOut | ContentOut | ToolCallOut | DoneOut
@@ -118,6 +121,9 @@ class Completion:
         self._generation: AsyncIterator[TextDelta | Finished] | None = None
         self._first: TextDelta | Finished | None = None
         self._calls = 0
+        self._reasoning_tokens = 0
+        self._answering = False  # a content delta or a call has been released
+        self._saw_reasoning = False
         self.finished: Finished | None = None
 
     async def start(self) -> None:
@@ -146,8 +152,11 @@ class Completion:
                 self.finished = event
                 for out in self._convert(self._parser.finish()):
                     yield out
-                yield DoneOut(self._finish_reason(event), event.usage)
+                reasoning = self._reasoning_tokens if self._saw_reasoning else 0
+                yield DoneOut(self._finish_reason(event), event.usage, reasoning)
                 return
+            if not self._answering:
+                self._reasoning_tokens += len(event.token_ids)
             for out in self._convert(self._parser.feed(event.text)):
                 yield out
             try:
@@ -179,11 +188,14 @@ class Completion:
         for item in parsed:
             if isinstance(item, chat.ReasoningDelta):
                 if item.text:
+                    self._saw_reasoning = True
                     out.append(ReasoningOut(item.text))
             elif isinstance(item, chat.ContentDelta):
                 if item.text:
+                    self._answering = True
                     out.append(ContentOut(item.text))
             elif isinstance(item, chat.ToolCallParsed):
+                self._answering = True
                 out.append(
                     ToolCallOut(
                         index=self._calls,

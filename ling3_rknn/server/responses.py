@@ -18,12 +18,15 @@ def new_completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
-def usage_body(usage: Usage) -> dict[str, Any]:
+def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {
+            "reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)
+        },
     }
 
 
@@ -44,7 +47,13 @@ class MessageBuilder:
     tool_calls: list[ToolCallOut] = field(default_factory=list)
 
     def body(
-        self, completion_id: str, model: str, created: int, finish_reason: str, usage: Usage
+        self,
+        completion_id: str,
+        model: str,
+        created: int,
+        finish_reason: str,
+        usage: Usage,
+        reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         text = "".join(self.content)
         message: dict[str, Any] = {
@@ -64,7 +73,7 @@ class MessageBuilder:
             "choices": [
                 {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             ],
-            "usage": usage_body(usage),
+            "usage": usage_body(usage, reasoning_tokens),
         }
 
 
@@ -123,7 +132,7 @@ class ChunkFactory:
     def finish(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk({}, finish_reason)
 
-    def usage(self, usage: Usage) -> dict[str, Any]:
+    def usage(self, usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
         return {
             "id": self.completion_id,
             "object": "chat.completion.chunk",
@@ -131,7 +140,7 @@ class ChunkFactory:
             "model": self.model,
             "system_fingerprint": None,
             "choices": [],
-            "usage": usage_body(usage),
+            "usage": usage_body(usage, reasoning_tokens),
         }
 
 
