@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="another model id clients may send (repeatable)",
     )
+    serve.add_argument(
+        "--max-queue",
+        type=_positive_int,
+        metavar="N",
+        help="requests that may wait for the model before new ones get 503 (default 16)",
+    )
     serve.add_argument("--max-body-bytes", type=parse_size, default=16 * 1024**2, metavar="N")
     return parser
 
@@ -109,6 +115,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
         options["cache_bytes"] = args.cache_bytes
     if args.cache_dir is not None:
         options["cache_dir"] = args.cache_dir
+    if args.max_queue is not None:
+        options["max_queue"] = args.max_queue
     return options
 
 

@@ -78,3 +78,6 @@ def test_warns_when_exposed_without_key(monkeypatch, tmp_path, caplog):
 def test_engine_options_only_pass_what_was_given():
     args = cli.build_parser().parse_args(["serve", "--demo", "--cache-bytes", "1M"])
     assert cli._engine_options(args) == {"cache_bytes": 1024**2}
+    argv = ["serve", "--demo", "--max-queue", "4", "--max-context", "512", "--model-id", "x"]
+    options = cli._engine_options(cli.build_parser().parse_args(argv))
+    assert options == {"max_queue": 4, "max_context": 512, "model_id": "x"}
