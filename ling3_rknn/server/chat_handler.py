@@ -1,0 +1,201 @@
+"""``POST /v1/chat/completions``: one request from JSON body to a JSON answer or an SSE
+stream, with the engine's refusals mapped to HTTP errors (before the headers) or to an
+``error`` event (after them)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from ling3_rknn.server import errors
+from ling3_rknn.server.completion import (
+    Completion,
+    ContentOut,
+    DoneOut,
+    ReasoningOut,
+    ToolCallOut,
+)
+from ling3_rknn.server.errors import ApiError
+from ling3_rknn.server.metrics import ServerMetrics
+from ling3_rknn.server.responses import ChunkFactory, MessageBuilder, new_completion_id
+from ling3_rknn.server.sse import DONE, SseWriter
+from ling3_rknn.server.state import CONFIG, ENGINE, METRICS, RID, RUNNING, STATE
+from ling3_rknn.server.validate import parse_chat_request, require_object
+
+log = logging.getLogger("ling3_rknn.server")
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise errors.invalid_request(f"The request body is not valid JSON: {exc}") from None
+    return require_object(body)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    engine = app[ENGINE].require()
+    chat_request = parse_chat_request(await _read_json(request))
+    if chat_request.model not in (engine.model_id, *app[CONFIG].model_aliases):
+        raise errors.not_found(
+            f"The model '{chat_request.model}' does not exist; this server serves "
+            f"'{engine.model_id}'.",
+            "model_not_found",
+            "model",
+        )
+    completion = Completion(engine, chat_request)
+    metrics = app[METRICS]
+    task = asyncio.current_task()
+    app[RUNNING].add(task)
+    metrics.in_flight.inc()
+    try:
+        if chat_request.stream:
+            return await _stream(request, completion, engine.model_id)
+        return await _whole(request, completion, engine.model_id)
+    except asyncio.CancelledError:
+        if not app[STATE].get("stopping"):
+            metrics.disconnects.inc()
+        raise
+    finally:
+        metrics.in_flight.dec()
+        app[RUNNING].discard(task)
+        await completion.close()
+
+
+async def _whole(request: web.Request, completion: Completion, model: str) -> web.Response:
+    metrics = request.app[METRICS]
+    started = time.monotonic()
+    await completion.start()
+    metrics.time_to_first_token.observe(time.monotonic() - started)
+    message = MessageBuilder()
+    done: DoneOut | None = None
+    async for event in completion.events():
+        if isinstance(event, ReasoningOut):
+            message.reasoning.append(event.text)
+        elif isinstance(event, ContentOut):
+            message.content.append(event.text)
+        elif isinstance(event, ToolCallOut):
+            message.tool_calls.append(event)
+        else:
+            done = event
+    assert done is not None
+    _log_completion(request, metrics, False, done, started)
+    body = message.body(
+        new_completion_id(),
+        model,
+        int(time.time()),
+        done.finish_reason,
+        done.usage,
+        done.reasoning_tokens,
+    )
+    return web.json_response(body, headers={"X-Request-Id": request[RID]})
+
+
+async def _stream(request: web.Request, completion: Completion, model: str) -> web.StreamResponse:
+    app = request.app
+    config, metrics = app[CONFIG], app[METRICS]
+    chunks = ChunkFactory(new_completion_id(), model, completion.request.include_usage)
+    started = time.monotonic()
+    first = asyncio.ensure_future(completion.start())
+    try:
+        await asyncio.wait({first}, timeout=config.header_wait_s)
+        if first.done():
+            first.result()  # the engine's up-front refusals become plain HTTP errors
+        response = web.StreamResponse(headers=SseWriter.headers(request[RID]))
+        try:
+            await response.prepare(request)
+        except ConnectionError:  # the client left while the engine was starting
+            metrics.disconnects.inc()
+            return response
+        writer = SseWriter(response, config.keep_alive_s)
+        writer.start_keep_alive()
+        try:
+            await writer.send(chunks.role())
+            await _stream_events(request, writer, chunks, completion, first, started)
+        except ApiError as exc:
+            await _send_error(writer, exc)
+        except asyncio.CancelledError:
+            if not app[STATE].get("stopping"):
+                raise
+            # Our own shutdown cancelled the generation: tell the client and end the stream
+            # cleanly instead of cutting the connection.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_send_error(writer, shutdown_error()), 1.0)
+        except ConnectionError:
+            metrics.disconnects.inc()
+            return response
+        except Exception:
+            log.exception("stream %s failed", request[RID])
+            await _send_error(writer, errors.internal(request[RID]))
+        finally:
+            await writer.stop_keep_alive()
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response
+    finally:
+        if not first.done():
+            first.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await first  # always retrieved, so no "exception was never retrieved" at exit
+
+
+async def _send_error(writer: SseWriter, error: ApiError) -> None:
+    """Errors after the headers went out are an ``error`` event (serving-protocol.md 3.3);
+    a client that is already gone does not need one."""
+    with contextlib.suppress(ConnectionError):
+        await writer.send(error.body())
+
+
+async def _stream_events(
+    request: web.Request,
+    writer: SseWriter,
+    chunks: ChunkFactory,
+    completion: Completion,
+    first: asyncio.Future,
+    started: float,
+) -> None:
+    metrics = request.app[METRICS]
+    await first
+    metrics.time_to_first_token.observe(time.monotonic() - started)
+    async for event in completion.events():
+        if isinstance(event, ContentOut):
+            await writer.write(chunks.content_event(event.text))
+        elif isinstance(event, ReasoningOut):
+            await writer.write(chunks.reasoning_event(event.text))
+        elif isinstance(event, ToolCallOut):
+            await writer.send(chunks.tool_call(event))
+        else:
+            await writer.send(chunks.finish(event.finish_reason))
+            if chunks.include_usage:
+                await writer.send(chunks.usage(event.usage, event.reasoning_tokens))
+            await writer.write(DONE)
+            _log_completion(request, metrics, True, event, started)
+
+
+def _log_completion(
+    request: web.Request, metrics: ServerMetrics, stream: bool, done: DoneOut, started: float
+) -> None:
+    metrics.completions.labels(str(stream).lower(), done.finish_reason).inc()
+    usage = done.usage
+    log.info(
+        "%s completion stream=%s finish=%s prompt=%d cached=%d completion=%d %.0fms",
+        request[RID],
+        stream,
+        done.finish_reason,
+        usage.prompt_tokens,
+        usage.cached_tokens,
+        usage.completion_tokens,
+        (time.monotonic() - started) * 1000,
+    )
+
+
+def shutdown_error() -> ApiError:
+    return ApiError(503, "The server is shutting down.", type="server_error", code="shutdown")

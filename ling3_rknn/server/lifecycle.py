@@ -1,0 +1,106 @@
+"""Start-up and shutdown: the model loads in a thread while the API already answers,
+clients that go away cancel their handlers, and SIGTERM stops accepting, ends running
+generations and closes the engine the app loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from ling3_rknn.engine.api import EngineProtocol
+from ling3_rknn.server.state import CONFIG, ENGINE, RUNNING, STATE
+
+log = logging.getLogger("ling3_rknn.server")
+
+
+async def cancel_generations(app: web.Application) -> None:
+    """on_shutdown: the listener is already closed; end what is still generating."""
+    app[STATE]["stopping"] = True
+    running = [task for task in app[RUNNING] if not task.done()]
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.wait(running, timeout=app[CONFIG].shutdown_timeout_s)
+
+
+def loader_context(
+    loader: Callable[[], EngineProtocol] | None,
+    on_load_error: Callable[[BaseException], None] | None,
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def context(app: web.Application) -> AsyncIterator[None]:
+        holder = app[ENGINE]
+        task: asyncio.Task[None] | None = None
+
+        async def load() -> None:
+            assert loader is not None
+            try:
+                holder.engine = await asyncio.get_running_loop().run_in_executor(None, loader)
+                log.info("model %s ready", holder.engine.model_id)
+            except Exception as exc:
+                holder.load_error = f"{type(exc).__name__}: {exc}"
+                log.error("model failed to load: %s", holder.load_error)
+                if on_load_error is not None:
+                    on_load_error(exc)
+
+        if loader is not None:
+            task = asyncio.create_task(load())
+        yield
+        if task is None:
+            return  # the engine was handed in; its owner closes it
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        # The app loaded the engine, so it closes it: stop the worker, flush the prefix
+        # cache to disk so a restarted service keeps its warm prompts.
+        close = getattr(holder.engine, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+            log.info("engine closed")
+
+    return context
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+    """Serve ``app`` until the block exits; yields the bound port (``port=0`` picks one)."""
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that goes away cancels its generation
+        access_log=None,  # the envelope middleware logs every request with its id
+        shutdown_timeout=app[CONFIG].shutdown_timeout_s,
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        yield bound
+    finally:
+        await runner.cleanup()
+
+
+async def run_server(app: web.Application, host: str, port: int) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    app[STATE]["stop"] = stop
+    async with serving(app, host, port) as bound:
+        log.info("listening on http://%s:%d", host, bound)
+        await stop.wait()
+        log.info("shutting down")
+
+
+def request_stop(app: web.Application) -> None:
+    """Ask ``run_server`` to stop (used when the model fails to load)."""
+    stop = app[STATE].get("stop")
+    if stop is not None:
+        stop.set()

@@ -1,0 +1,57 @@
+"""Shared state of the server app: its configuration, the engine slot and the typed keys
+under which routes find them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ling3_rknn.engine.api import EngineProtocol
+from ling3_rknn.server import errors
+from ling3_rknn.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024  # long agent histories plus tool schemas
+    keep_alive_s: float = 10.0
+    model_aliases: tuple[str, ...] = ()
+    # How long a streamed request holds its response headers back waiting for the engine's
+    # first event, so that "busy" or "prompt too long" still become HTTP errors.
+    header_wait_s: float = 1.0
+    shutdown_timeout_s: float = 10.0
+
+
+class EngineHolder:
+    """The engine slot: empty while loading, then the engine, or the load error."""
+
+    def __init__(self, engine: EngineProtocol | None = None) -> None:
+        self.engine = engine
+        self.load_error: str | None = None
+        self.created = int(time.time())
+
+    def require(self) -> EngineProtocol:
+        if self.engine is None:
+            raise errors.loading()
+        if not self.engine.ready:
+            raise errors.ApiError(
+                503,
+                "The model is not available.",
+                type="server_error",
+                code="model_unavailable",
+                headers={"Retry-After": "5"},
+            )
+        return self.engine
+
+
+ENGINE = web.AppKey("engine", EngineHolder)
+CONFIG = web.AppKey("config", AppConfig)
+METRICS = web.AppKey("metrics", ServerMetrics)
+RUNNING = web.AppKey("running", set)
+STATE = web.AppKey("state", dict)
+# Typed request storage where this aiohttp has it (3.12+); a plain key on older ones.
+RID: Any = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
