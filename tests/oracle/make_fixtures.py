@@ -81,7 +81,7 @@ FIXTURES = {
     "plainq_released": dict(
         BASE,
         q_lora_rank=None,
-        num_local_experts=16,
+        num_local_experts=12,
         num_experts_per_tok=4,
         n_group=4,
         topk_group=2,
