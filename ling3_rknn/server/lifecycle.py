@@ -42,8 +42,9 @@ def loader_context(
                 holder.engine = await asyncio.get_running_loop().run_in_executor(None, loader)
                 log.info("model %s ready", holder.engine.model_id)
             except Exception as exc:
-                holder.load_error = f"{type(exc).__name__}: {exc}"
-                log.error("model failed to load: %s", holder.load_error)
+                # /health needs no key, so it names the error class only; the log has all.
+                holder.load_error = type(exc).__name__
+                log.error("model failed to load: %s: %s", type(exc).__name__, exc)
                 if on_load_error is not None:
                     on_load_error(exc)
 
