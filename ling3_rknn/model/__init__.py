@@ -27,7 +27,7 @@ Public API::
 
 from .backend import NumpyStages, StageBackend
 from .checkpoint import Checkpoint
-from .model import Model
+from .model import CpuWeights, Model
 from .moe import ExpertBackend, NumpyExperts
 from .safetensors_file import CheckpointError
 from .state import SequenceState, SnapshotError, StateError, StateSnapshot
@@ -35,6 +35,7 @@ from .state import SequenceState, SnapshotError, StateError, StateSnapshot
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "CpuWeights",
     "ExpertBackend",
     "Model",
     "NumpyExperts",

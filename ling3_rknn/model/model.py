@@ -15,13 +15,15 @@ from .checkpoint import Checkpoint
 from .kda import kda_core, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
 from .moe import ExpertBackend, NumpyExperts, route
+from .stages import LayerOutput
 from .state import SequenceState, StateError, StateLayout
 from .weights import CheckpointWeights
 
 
 @dataclass(frozen=True)
 class CpuWeights:
-    """Weights the CPU glue needs (they never go to the NPU)."""
+    """Weights the CPU glue needs (they never go to the NPU); a bundle loader builds the
+    same object from its own files."""
 
     conv: dict[int, np.ndarray]  # KDA layer -> conv taps [K, 3P] (tap-major)
     expert_bias: dict[int, np.ndarray]  # MoE layer -> [E]
@@ -115,7 +117,7 @@ class Model:
         return np.ascontiguousarray(self.stages.final(x), dtype=np.float32)
 
     # ----------------------------------------------------------------- layers
-    def _kda_layer(self, i: int, x: np.ndarray, state: SequenceState):
+    def _kda_layer(self, i: int, x: np.ndarray, state: SequenceState) -> LayerOutput:
         c = self.config
         inp = self.stages.kda_input(i, x)
         conv_out, state.conv[i] = short_conv(inp.qkv, state.conv[i], self.cpu.conv[i])
@@ -123,7 +125,9 @@ class Model:
         core = kda_core(q, k, v, inp.log_decay, inp.beta, state.recurrent[i])
         return self.stages.kda_output(i, x, core, inp.out_gate)
 
-    def _mla_layer(self, i: int, x: np.ndarray, state: SequenceState, positions: np.ndarray):
+    def _mla_layer(
+        self, i: int, x: np.ndarray, state: SequenceState, positions: np.ndarray
+    ) -> LayerOutput:
         c = self.config
         inp = self.stages.mla_input(i, x)
         cos, sin = rope_angles(positions, c.qk_rope_head_dim, c.rope_theta)
@@ -134,7 +138,7 @@ class Model:
         ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length, self._scale)
         return self.stages.mla_output(i, x, ctx, inp.gate)
 
-    def _moe(self, i: int, out) -> np.ndarray:
+    def _moe(self, i: int, out: LayerOutput) -> np.ndarray:
         c = self.config
         ids, weights = route(
             out.router_logits,
@@ -164,4 +168,4 @@ class Model:
         return ids.astype(np.int64)
 
 
-__all__ = ["Model", "StateError"]
+__all__ = ["CpuWeights", "Model", "StateError"]
