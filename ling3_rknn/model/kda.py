@@ -40,7 +40,9 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(sq + np.float32(1e-6))
 
 
-def prepare_qkv(conv_out: np.ndarray, num_heads: int, head_dim: int):
+def prepare_qkv(
+    conv_out: np.ndarray, num_heads: int, head_dim: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split the conv output into per-head q (normalised, scaled by d^-1/2), k (normalised), v."""
     t = conv_out.shape[0]
     p = num_heads * head_dim
@@ -62,9 +64,9 @@ def kda_recurrent(
 
     decay S <- diag(a) S; predict e = S^T k; correct S += k (beta (v - e))^T; read S^T q.
     Both reads are taken from the *old* state in one batched product, using
-    e = S_old^T (a*k) and S_new^T q = S_old^T (a*q) + (q.k) delta, so the 1 MB-per-layer
-    state is streamed once for the reads and once for the update (the decode hot path is
-    memory-bound: ~20% faster than reading the updated state again).
+    e = S_old^T (a*k) and S_new^T q = S_old^T (a*q) + (q.k) delta, so the state (1 MB per
+    layer at the real size; the decode hot path is memory-bound) is not read a third time
+    after the update: measured ~20% faster than the literal order.
     """
     t_len = q.shape[0]
     out = np.empty((t_len, state.shape[0], state.shape[2]), dtype=np.float32)
