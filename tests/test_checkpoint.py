@@ -175,3 +175,8 @@ def test_same_tensor_under_two_spellings_is_an_error(tmp_path):
 
     with pytest.raises(CheckpointError, match="stored twice"):
         Model.from_hf(copy_fixture(tmp_path, edit))
+
+
+def test_empty_tensor(tmp_path):
+    write_raw(tmp_path / "m.safetensors", {"x": ("F32", [0, 4], b"")})
+    assert SafetensorsFile(tmp_path / "m.safetensors").float32("x").shape == (0, 4)

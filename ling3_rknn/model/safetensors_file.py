@@ -109,6 +109,8 @@ class SafetensorsFile:
     def raw(self, name: str) -> np.ndarray:
         """Read-only view on the stored bytes (no copy; pages load when touched)."""
         dtype, shape, begin, end = self._entries[name]
+        if begin == end:  # empty tensor (and mmap refuses an empty data section)
+            return np.empty(shape, dtype=dtype)
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_start)
         return self._map[begin:end].view(dtype).reshape(shape)
