@@ -30,6 +30,11 @@ def test_earliest_of_several_stops_wins():
     assert out[0] == "abc " and stopped
 
 
+def test_overlapping_stops_do_not_depend_on_chunking():
+    assert run(["><<"], ["<", "><<"])[0][0] == ">"
+    assert "".join(run(["><", "<"], ["<", "><<"])[0]) == ">"
+
+
 def test_no_stops_passes_through():
     assert run(["a", "b"], []) == (["a", "b", ""], False)
     assert run(["a"], [""]) == (["a", ""], False)
@@ -45,9 +50,10 @@ def test_any_chunking_gives_the_text_before_the_first_stop(text, stops, cuts):
     bounds = sorted({0, len(text), *[min(c, len(text)) for c in cuts]})
     chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     out, stopped = run(chunks, stops)
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    # Character-level reference: the first position where some stop string ends.
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
     if hits:
-        assert stopped and "".join(out) == text[: min(hits)]
+        assert stopped and "".join(out) == text[: min(hits)[1]]
     else:
         assert not stopped and "".join(out) == text
     # No emitted prefix ever contains a stop string.

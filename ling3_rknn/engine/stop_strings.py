@@ -25,14 +25,13 @@ class StopMatcher:
         if not self._stops:
             return text
         buffer = self._held + text
-        first = min(
-            (i for i in (buffer.find(s) for s in self._stops) if i >= 0),
-            default=-1,
-        )
-        if first >= 0:
+        # The stop that completes first wins (then the longer one), whatever the chunking:
+        # the result is the same as if the text arrived one character at a time.
+        found = [(i + len(s), i) for s in self._stops if (i := buffer.find(s)) >= 0]
+        if found:
             self.stopped = True
             self._held = ""
-            return buffer[:first]
+            return buffer[: min(found)[1]]
         keep = self._held_back_length(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
