@@ -179,6 +179,13 @@ class Runner:
             self._counters.prompt_tokens += len(ids)
         try:
             depth, logits = self._prefill(job)
+            log.debug(
+                "engine: %d prompt tokens, %d restored from the cache (%d spliced), %d evaluated",
+                len(ids),
+                depth,
+                job.prompt.spliced_tokens,
+                len(ids) - depth,
+            )
             reason, generated, text = self._decode(job, logits, depth)
         except Cancelled:
             with self._counters.lock:
