@@ -123,17 +123,19 @@ async def decode_overhead(sampling: SamplingParams, tokens: int) -> float:
 
 
 def filled_state(config: ModelConfig, tokens: int) -> SequenceState:
-    state = SequenceState(config)
+    """A state at ``tokens`` positions with random contents, through the public API only
+    (the shapes come from an empty state's exported arrays)."""
     rng = np.random.default_rng(0)
-    for i in state.recurrent:
-        state.recurrent[i][...] = rng.standard_normal(state.recurrent[i].shape)
-        state.conv[i][...] = rng.standard_normal(state.conv[i].shape)
-    width = state.layout.latent_width
-    rows = rng.standard_normal((tokens, width)).astype(np.float32)
-    for cache in state.latents.values():
-        for start in range(0, tokens, 512):
-            cache.append(rows[start : start + 512])
-    state.length = tokens
+    state = SequenceState(config)
+    arrays = {}
+    for name, value in state.snapshot().to_arrays().items():
+        if name == "length":
+            arrays[name] = np.array(tokens, dtype=np.int64)
+        elif name.endswith(".latent"):
+            arrays[name] = rng.standard_normal((tokens, value.shape[1])).astype(np.float32)
+        else:
+            arrays[name] = rng.standard_normal(value.shape).astype(value.dtype)
+    state.restore(StateSnapshot.from_arrays(config, arrays))
     return state
 
 
@@ -149,18 +151,12 @@ def timed(fn, repeat: int = 15) -> float:
 def snapshot_figures(config: ModelConfig) -> None:
     state = filled_state(config, 8192)
     snap = state.snapshot()
-    kda = sum(a.nbytes for a in (*snap._conv.values(), *snap._recurrent.values()))
+    kda = sum(a.nbytes for k, a in snap.to_arrays().items() if k.startswith("kda."))
     print(f"state at 8K tokens: KDA+conv {kda / 2**20:.1f} MiB, snapshot.nbytes "
           f"{snap.nbytes / 2**20:.1f} MiB (latent shared), private "
           f"{snap.private_nbytes / 2**20:.1f} MiB")
     print(f"  snapshot(): {timed(state.snapshot):.2f} ms   restore(): "
           f"{timed(lambda: state.restore(snap)):.2f} ms   (median of 15)")
-    # Snapshot after decoding a few more tokens (the turn-end case: shares 8K of latent).
-    width = state.layout.latent_width
-    for cache in state.latents.values():
-        cache.append(np.zeros((37, width), np.float32))
-    state.length += 37
-    print(f"  snapshot() after +37 tokens: {timed(state.snapshot):.2f} ms")
 
 
 def persistence_figures(config: ModelConfig, tokens: int = 12_288) -> None:
@@ -210,7 +206,44 @@ def tiny_prefill_cost() -> float:
         return (time.perf_counter() - t0) / len(ids)
 
 
+async def agent_turns() -> str:
+    """Two turns of an agent loop on the tiny model: what turn 2 reuses and evaluates."""
+    from ling3_rknn.chat import assistant_message, parse_assistant, render
+
+    tools = [{"type": "function", "function": {
+        "name": "read", "description": "Read a file from the workspace",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                       "required": ["path"]}}}]
+    history: list[dict] = [
+        {"role": "system", "content": "You are a careful coding agent. Use the tools."},
+        {"role": "user", "content": "Open a.py and tell me what it prints."},
+    ]
+    tok = Tokenizer.from_file(ROOT / "tests" / "fixtures" / "tokenizer" / "compact"
+                              / "tokenizer.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Model.from_hf(make_tiny_checkpoint(Path(tmp)))
+        with Engine(model, tok, model_id="tiny", max_context=4096) as engine:
+            request = GenerationRequest(render(history, tools, enable_thinking=False),
+                                        SamplingParams(temperature=0.0), max_tokens=24)
+            text = ""
+            async for event in engine.generate(request):
+                text = getattr(event, "text", text)
+            history.append(assistant_message(parse_assistant(text, tools, thinking=False)))
+            history.append({"role": "tool", "tool_call_id": "c1", "content": "print(42)\n"})
+            await engine.idle()
+            request = GenerationRequest(render(history, tools, enable_thinking=False),
+                                        SamplingParams(temperature=0.0), max_tokens=8)
+            usage = None
+            async for event in engine.generate(request):
+                usage = getattr(event, "usage", usage)
+    assert usage is not None
+    return (f"agent loop turn 2 (tiny model, compact tokenizer): {usage.prompt_tokens} "
+            f"prompt tokens, {usage.cached_tokens} cached, "
+            f"{usage.prompt_tokens - usage.cached_tokens} evaluated")
+
+
 def main() -> None:
+    print(asyncio.run(agent_turns()))
     for name, sampling in (
         ("greedy", SamplingParams(temperature=0.0)),
         ("ling3 defaults (T=1, top_k=20, top_p=0.95)", SamplingParams()),
