@@ -233,3 +233,23 @@ async def test_same_config_different_weights_never_share_persisted_snapshots(
         assert engine.stats().cache_entries == 0
         fin, _ = await run(engine, segments, 2)
     assert fin.usage.cached_tokens == 0
+
+
+def test_cache_charges_the_real_models_shared_latent_once(model):
+    from ling3_rknn.engine.prefix_cache import PrefixCache
+    from ling3_rknn.model.state import BLOCK_TOKENS
+
+    state = model.new_state()
+    ids = [(7 * i) % 800 + 14 for i in range(BLOCK_TOKENS + 5)]
+    first = model.forward(ids, state, last_only=True)[-1]
+    a = state.snapshot()
+    second = model.forward([20, 21], state, last_only=True)[-1]
+    b = state.snapshot()
+    shared = {id(x): x.nbytes for x in (*a.shared_blocks(), *b.shared_blocks())}
+    assert shared  # the first block is frozen and shared by both snapshots
+    cache = PrefixCache(10**9)
+    cache.insert(ids, a, first)
+    cache.insert([*ids, 20, 21], b, second)
+    rows = first.nbytes + second.nbytes
+    want = a.private_nbytes + b.private_nbytes + sum(shared.values()) + rows
+    assert cache.counters().bytes_held == want < a.nbytes + b.nbytes + rows
