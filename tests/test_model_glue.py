@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ling3_rknn.model.kda import kda_chunked, kda_recurrent, prepare_qkv, short_conv
+from ling3_rknn.model.kda import (
+    RecurrentState,
+    kda_chunked,
+    kda_recurrent,
+    prepare_qkv,
+    short_conv,
+)
 from ling3_rknn.model.mla import apply_rope, mla_attention, rope_angles
 from ling3_rknn.model.moe import NumpyExperts, route
 from ling3_rknn.model.stages import swiglu
@@ -31,26 +37,48 @@ def test_chunked_kda_equals_recurrence(t):
     rng = np.random.default_rng(t)
     q, k, v, g, beta = kda_inputs(rng, t)
     s0 = (0.3 * rng.standard_normal((3, 16, 16))).astype(F32)  # non-zero initial state
-    s_rec, s_chk = s0.copy(), s0.copy()
+    s_rec, s_chk = RecurrentState(s0.copy()), RecurrentState(s0.copy())
     o_rec = kda_recurrent(q, k, v, g, beta, s_rec)
     o_chk = kda_chunked(q, k, v, g, beta, s_chk)
     np.testing.assert_allclose(o_chk, o_rec, atol=2e-5, rtol=0)
-    np.testing.assert_allclose(s_chk, s_rec, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(s_chk.value(), s_rec.value(), atol=2e-5, rtol=0)
 
 
-def test_recurrence_matches_literal_delta_rule():
+@pytest.mark.parametrize("strength", [0.1, 1.0, 5.0])
+def test_recurrence_matches_literal_delta_rule(strength):
+    """Strong decay drives the lazy scale below its fold threshold many times."""
     rng = np.random.default_rng(1)
-    q, k, v, g, beta = kda_inputs(rng, 20, h=2, d=8)
-    s = np.zeros((2, 8, 8), F32)
-    out = kda_recurrent(q, k, v, g, beta, s)
+    t_len = 120
+    q, k, v, _, beta = kda_inputs(rng, t_len, h=2, d=8)
+    g = (-strength * rng.random((t_len, 2, 8))).astype(F32)
+    s = RecurrentState.zeros((2, 8, 8))
+    outs = [
+        kda_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)
+        for t in range(t_len)
+    ]
+    out = np.concatenate(outs)
     ref = np.zeros((2, 8, 8), np.float64)
-    for t in range(20):
+    for t in range(t_len):
         for h in range(2):
-            ref[h] = np.diag(np.exp(g[t, h])) @ ref[h]
+            ref[h] = np.diag(np.exp(g[t, h].astype(np.float64))) @ ref[h]
             e = ref[h].T @ k[t, h]
             ref[h] += np.outer(k[t, h], beta[t, h] * (v[t, h] - e))
-            np.testing.assert_allclose(out[t, h], ref[h].T @ q[t, h], atol=1e-5)
-    np.testing.assert_allclose(s, ref, atol=1e-5)
+            np.testing.assert_allclose(out[t, h], ref[h].T @ q[t, h], atol=2e-5)
+    np.testing.assert_allclose(s.value(), ref, atol=2e-5)
+
+
+def test_recurrent_state_value_fold_and_set():
+    rng = np.random.default_rng(4)
+    s = RecurrentState(rng.standard_normal((2, 4, 3)).astype(F32))
+    s.scale[:] = rng.random((2, 4)).astype(F32)
+    s._unit = False
+    expect = s.body * s.scale[:, :, None]
+    np.testing.assert_allclose(s.value(), expect, rtol=1e-6)
+    s.fold()
+    np.testing.assert_allclose(s.body, expect, rtol=1e-6)
+    assert (s.scale == 1).all()
+    s.set(np.ones((2, 4, 3), F32))
+    assert s.value().sum() == 24
 
 
 def test_short_conv_in_pieces_equals_whole():

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
+from .kda import RecurrentState
 
 BLOCK_TOKENS = 256
 
@@ -214,7 +215,7 @@ class SequenceState:
             i: np.zeros(self.layout.conv_shape, np.float32) for i in self.layout.kda_layers
         }
         self.recurrent = {
-            i: np.zeros(self.layout.recurrent_shape, np.float32) for i in self.layout.kda_layers
+            i: RecurrentState.zeros(self.layout.recurrent_shape) for i in self.layout.kda_layers
         }
         self.latents = {i: LatentCache(self.layout.latent_width) for i in self.layout.mla_layers}
         self.broken = False
@@ -225,7 +226,7 @@ class SequenceState:
             self.layout,
             self.length,
             {i: a.copy() for i, a in self.conv.items()},
-            {i: a.copy() for i, a in self.recurrent.items()},
+            {i: r.value() for i, r in self.recurrent.items()},
             {i: c.snapshot() for i, c in self.latents.items()},
         )
 
@@ -237,7 +238,7 @@ class SequenceState:
             raise SnapshotError("snapshot was taken from a model with a different layout")
         for i in self.layout.kda_layers:
             self.conv[i] = np.array(snapshot._conv[i])
-            self.recurrent[i] = np.array(snapshot._recurrent[i])
+            self.recurrent[i].set(snapshot._recurrent[i])
         for i in self.layout.mla_layers:
             s = snapshot._latents[i]
             self.latents[i] = LatentCache(self.layout.latent_width, s.frozen, s.partial)

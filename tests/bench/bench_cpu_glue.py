@@ -66,8 +66,8 @@ class Glue:
         self.conv_taps = rng.standard_normal((4, 3 * P)).astype(f32) * 0.5
         self.bias = (0.1 * rng.standard_normal(E)).astype(f32)
         for i in cfg.kda_layers:
-            s = self.state.recurrent[i]
-            s[:] = 0.01 * rng.standard_normal(s.shape).astype(f32)
+            r = self.state.recurrent[i]
+            r.set(0.01 * rng.standard_normal(r.body.shape).astype(f32))
         rows = rng.standard_normal((context, R + DR)).astype(f32)
         for cache in self.state.latents.values():
             cache.append(rows)
