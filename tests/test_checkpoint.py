@@ -180,3 +180,46 @@ def test_same_tensor_under_two_spellings_is_an_error(tmp_path):
 def test_empty_tensor(tmp_path):
     write_raw(tmp_path / "m.safetensors", {"x": ("F32", [0, 4], b"")})
     assert SafetensorsFile(tmp_path / "m.safetensors").float32("x").shape == (0, 4)
+
+
+def test_loading_reads_no_routed_expert_and_no_whole_embedding(monkeypatch):
+    """Dense weights are read at load; experts and the embedding table only on use, and then
+    only the routed experts / looked-up rows are widened from bf16."""
+    whole: list[str] = []
+    rows: list[str] = []
+    float32, float32_rows = SafetensorsFile.float32, SafetensorsFile.float32_rows
+
+    def spy_whole(self, name):
+        whole.append(name)
+        return float32(self, name)
+
+    def spy_rows(self, name, ids):
+        rows.append(name)
+        return float32_rows(self, name, ids)
+
+    monkeypatch.setattr(SafetensorsFile, "float32", spy_whole)
+    monkeypatch.setattr(SafetensorsFile, "float32_rows", spy_rows)
+    model = Model.from_hf(ORACLE_DIR / "lora_hfmodule_bf16")  # merged experts, bf16
+    assert whole and not [n for n in whole if ".experts." in n or "embed" in n]
+    assert not rows
+    whole.clear()
+    model.forward([5], model.new_state())
+    assert not whole
+    routed = [n for n in rows if ".experts." in n]
+    # one gate_up + one down per routed expert per MoE layer, nothing else
+    moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
+    assert len(routed) == 2 * model.config.num_experts_per_tok * moe_layers
+    assert "model.embed_tokens.weight" in rows
+
+
+def test_tied_embeddings(tmp_path):
+    def edit(t):
+        t["lm_head.weight"] = t["model.word_embeddings.weight"].copy()
+
+    untied = copy_fixture(tmp_path / "a", edit)
+    tied = copy_fixture(tmp_path / "b", lambda t: t.pop("lm_head.weight"))
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    ids = np.arange(3, 30)
+    a, b = Model.from_hf(untied), Model.from_hf(tied)
+    np.testing.assert_array_equal(a.forward(ids, a.new_state()), b.forward(ids, b.new_state()))

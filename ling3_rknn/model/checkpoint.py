@@ -93,7 +93,7 @@ class Checkpoint:
         f, stored = self.locate(name, shape)
         return f.float32(stored)
 
-    def rows(self, name: str, shape: tuple[int, ...], ids: np.ndarray) -> np.ndarray:
-        """Selected rows of a 2-D tensor as float32, without widening the whole table."""
+    def rows(self, name: str, shape: tuple[int, ...], ids: np.ndarray | int) -> np.ndarray:
+        """Selected first-axis entries as float32, without widening the whole tensor."""
         f, stored = self.locate(name, shape)
         return f.float32_rows(stored, ids)

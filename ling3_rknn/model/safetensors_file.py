@@ -125,8 +125,9 @@ class SafetensorsFile:
             return raw
         return raw.astype(np.float32)
 
-    def float32_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of a 2-D tensor as float32, converting only those rows (embedding lookup)."""
+    def float32_rows(self, name: str, rows: np.ndarray | int) -> np.ndarray:
+        """Rows (first-axis entries) as float32, converting only those: an embedding lookup,
+        or one expert of a merged expert tensor."""
         dtype, *_ = self._entries[name]
         raw = self.raw(name)[rows]
         if dtype == np.dtype("<u2"):

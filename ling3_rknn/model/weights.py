@@ -167,8 +167,8 @@ class CheckpointWeights:
         c, m = self.cfg, f"model.layers.{i}.mlp.experts."
         d, n, big_e = c.hidden_size, c.moe_intermediate_size, c.num_experts
         if self.ckpt.has(m + "gate_up_proj"):
-            gate_up = self._t(m + "gate_up_proj", big_e, 2 * n, d)[e]
-            return gate_up, self._t(m + "down_proj", big_e, d, n)[e]
+            gate_up = self.ckpt.rows(m + "gate_up_proj", (big_e, 2 * n, d), e)
+            return gate_up, self.ckpt.rows(m + "down_proj", (big_e, d, n), e)
         x = f"{m}{e}."
         gate_up = np.concatenate(
             [self._t(x + "gate_proj.weight", n, d), self._t(x + "up_proj.weight", n, d)]
@@ -178,11 +178,12 @@ class CheckpointWeights:
     def check_experts(self, i: int) -> None:
         """Fail at load time, not mid-generation, when an expert tensor is missing."""
         m = f"model.layers.{i}.mlp.experts."
-        if self.ckpt.has(m + "gate_up_proj"):
-            self.expert(i, 0)
-            return
         c = self.cfg
         d, n = c.hidden_size, c.moe_intermediate_size
+        if self.ckpt.has(m + "gate_up_proj"):
+            self.ckpt.locate(m + "gate_up_proj", (c.num_experts, 2 * n, d))
+            self.ckpt.locate(m + "down_proj", (c.num_experts, d, n))
+            return
         for e in range(c.num_experts):
             x = f"{m}{e}."
             for name, shape in (
