@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,11 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = Path(__file__).resolve().with_name("rknn_build.py")
 QUANT_TYPES = ("fp16", "w8a8")
+# One row of the compiler's layer table (printed with verbose=True):
+# "D RKNN: [hh:mm:ss.ms] ID OpType DataType Target InputShape ... FullName"
+_PLACEMENT_ROW = re.compile(
+    r"D RKNN: \[[\d:.]+\]\s+\d+\s+(?P<op>\S+)\s+\S+\s+(?P<target>CPU|NPU)\s.*?(?P<name>\S+)\s*$")
+_IO_OPERATORS = ("InputOperator", "OutputOperator")
 
 
 class RknnToolkitError(RuntimeError):
@@ -45,11 +51,23 @@ class RknnBuildResult:
     sim_seconds: float | None
     groups: list[dict[str, np.ndarray]]  # per simulate group: output name -> [N, *shape]
     log: str
+    cpu_ops: tuple[str, ...] = ()  # "OpType:node" the compiler left on the CPU (sync points)
 
     @property
     def outputs(self) -> dict[str, np.ndarray] | None:
         """The simulator outputs when exactly one input group was simulated."""
         return self.groups[0] if len(self.groups) == 1 else None
+
+
+def cpu_fallback_ops(log: str) -> tuple[str, ...]:
+    """Ops the compiler placed on the board's CPU, from its verbose layer table."""
+    found = []
+    for line in log.splitlines():
+        m = _PLACEMENT_ROW.search(line)
+        if (m and m["target"] == "CPU" and m["op"] not in _IO_OPERATORS
+                and m["name"] not in found):
+            found.append(m["name"])
+    return tuple(found)
 
 
 def rknn_python() -> Path:
@@ -105,7 +123,7 @@ def build_rknn(
         work = Path(tmp)
         cmd = [str(python), str(BUILD_SCRIPT), "--onnx", str(onnx_path), "--out", str(out_path),
                "--quant", quant, "--target", target, "--algorithm", algorithm,
-               "--result", str(work / "result.json")]
+               "--result", str(work / "result.json"), "--verbose"]
         if calibration is not None:
             if isinstance(calibration, Mapping):
                 _save_samples(work / "calib.npz", calibration)
@@ -138,4 +156,4 @@ def build_rknn(
             with np.load(work / f"sim_out{g}.npz") as data:
                 outputs.append({name: data[name] for name in result["outputs"]})
     return RknnBuildResult(out_path, int(result["bytes"]), float(result["build_s"]),
-                           result.get("sim_s"), outputs, log)
+                           result.get("sim_s"), outputs, log, cpu_fallback_ops(log))

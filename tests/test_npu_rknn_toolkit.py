@@ -17,6 +17,7 @@ from convert.rknn_toolkit import (
     RknnBuildError,
     RknnToolkitMissing,
     build_rknn,
+    cpu_fallback_ops,
     rknn_available,
     rknn_python,
 )
@@ -32,7 +33,7 @@ def fake_python(tmp_path, body: str):
 ARGS = """
 import json, sys
 args = sys.argv[2:]
-opt = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2) if args[i].startswith("--")}
+opt = {a: b for a, b in zip(args, args[1:] + [""]) if a.startswith("--")}
 """
 
 
@@ -107,3 +108,22 @@ open(opt["--result"], "w").write(json.dumps({"ok": True, "bytes": 5, "build_s": 
                         simulate_inputs=groups[1], dynamic_input=[[[1, 1, 8]], [[1, 2, 8]]])
     assert single.outputs["y"].shape == (3, 1, 2, 8)
     assert json.loads(json.dumps(single.sim_seconds)) == 0.2
+
+
+def test_cpu_fallback_ops_are_parsed_from_the_layer_table():
+    log = "\n".join([
+        "D RKNN: [20:29:08.435] ID   OpType   DataType Target InputShape  OutputShape  "
+        "Cycles(DDR/NPU/Total)    RW(KB)       FullName",
+        "D RKNN: [20:29:08.435] 0    InputOperator  FLOAT16  CPU  \\  (1,1,64)  0/0/0  0  "
+        "InputOperator:x",
+        "D RKNN: [20:29:08.435] 2    Exp  FLOAT16  CPU  (1,64,1,1)  (1,64,1,1)  0/0/0  0  "
+        "Exp:exp_1",
+        "D RKNN: [20:29:08.435] 3    exNorm  FLOAT16  NPU  (1,64,1,1),(1,64,1,1)  (1,64,1,1) "
+        " 0/0/0  0  exNorm:reducemean_3",
+        "D RKNN: [20:29:08.440] 2    Exp  FLOAT16  CPU  (1,64,4,1)  (1,64,4,1)  0/0/0  0  "
+        "Exp:exp_1",
+        "D RKNN: [20:29:08.435] 6    OutputOperator  FLOAT16  CPU  (1,1,32)  \\  0/0/0  0  "
+        "OutputOperator:y",
+    ])
+    assert cpu_fallback_ops(log) == ("Exp:exp_1",)
+    assert cpu_fallback_ops("no table here") == ()
