@@ -337,3 +337,89 @@ def test_shared_blocks_are_charged_once():
     c2.insert([7], SharingSnap(np.zeros(100, np.float32), ()), row(3))  # evicts the leaf
     assert c2.paths() == [(1,), (7,)]
     assert c2.counters().bytes_held == 2 * own + 4000  # block_b freed, block_a still held
+
+
+@dataclass
+class LatentSnap:
+    """A snapshot exporting an append-only per-token array, like the model's MLA latent."""
+
+    rows: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+    @staticmethod
+    def to_arrays(s) -> dict[str, np.ndarray]:
+        return {"mla.3.latent": s.rows, "length": np.array(len(s.rows), np.int64)}
+
+    @staticmethod
+    def from_arrays(arrays) -> LatentSnap:
+        assert int(arrays["length"]) == len(arrays["mla.3.latent"])
+        return LatentSnap(arrays["mla.3.latent"])
+
+
+def latent_cache(tmp_path, **kw) -> PrefixCache:
+    return PrefixCache(
+        10**8,
+        store=SnapshotStore(tmp_path, "fp-a"),
+        to_arrays=LatentSnap.to_arrays,
+        from_arrays=LatentSnap.from_arrays,
+        background_writes=False,
+        **kw,
+    )
+
+
+def latent_rows(n: int) -> np.ndarray:
+    return np.arange(n * 6, dtype=np.float32).reshape(n, 6)  # row k is the same for all n
+
+
+def test_latent_prefix_blocks_are_stored_once_and_reassembled(tmp_path):
+    c = latent_cache(tmp_path)
+    c.insert([1], LatentSnap(latent_rows(600)), row(1))
+    c.insert([1, 2], LatentSnap(latent_rows(700)), row(2))
+    blocks = sorted((tmp_path / "blocks").iterdir())
+    assert len(blocks) == 2  # rows 0-255 and 256-511, shared by both snapshots
+    files = sum(p.stat().st_size for p in tmp_path.glob("*.l3snap"))
+    assert c.counters().disk_bytes == files + sum(p.stat().st_size for p in blocks)
+
+    fresh = latent_cache(tmp_path)
+    np.testing.assert_array_equal(fresh.lookup([1, 2, 3]).snapshot.rows, latent_rows(700))
+    np.testing.assert_array_equal(fresh.lookup([1, 5]).snapshot.rows, latent_rows(600))
+
+
+def test_corrupt_or_missing_block_fails_verification(tmp_path):
+    c = latent_cache(tmp_path)
+    c.insert([1], LatentSnap(latent_rows(300)), row(1))
+    c.insert([1, 2], LatentSnap(latent_rows(600)), row(2))
+    shared, own = sorted((tmp_path / "blocks").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    data = bytearray(own.read_bytes())
+    data[10] ^= 0x01
+    own.write_bytes(bytes(data))
+    fresh = latent_cache(tmp_path)
+    hit = fresh.lookup([1, 2])
+    assert hit is not None and hit.depth == 1  # fell back to the intact shallower one
+    assert fresh.counters().disk_errors == 1 and not own.exists() and shared.exists()
+    shared.unlink()
+    again = latent_cache(tmp_path)
+    assert again.lookup([1]) is None
+    assert list(tmp_path.glob("*.l3snap")) == []
+
+
+def test_orphan_blocks_are_collected_and_dropped_files_release_blocks(tmp_path):
+    c = latent_cache(tmp_path, max_disk_bytes=10**9)
+    c.insert([1], LatentSnap(latent_rows(300)), row(1))
+    orphan = tmp_path / "blocks" / ("0" * 64 + ".blk")
+    orphan.write_bytes(b"junk")
+    (tmp_path / "blocks" / "x.blk.1.tmp").write_bytes(b"partial")
+    fresh = latent_cache(tmp_path, max_disk_bytes=1)  # over budget: everything goes
+    assert fresh.counters().entries == 0 and fresh.counters().disk_bytes == 0
+    assert list((tmp_path / "blocks").iterdir()) == []
+
+
+def test_latent_of_exactly_whole_blocks_leaves_an_empty_tail(tmp_path):
+    c = latent_cache(tmp_path)
+    c.insert([4], LatentSnap(latent_rows(512)), row(4))
+    np.testing.assert_array_equal(
+        latent_cache(tmp_path).lookup([4]).snapshot.rows, latent_rows(512)
+    )

@@ -162,6 +162,7 @@ class PrefixCache:
         # Holding the block keeps its id from being reused while it is counted.
         self._shared: dict[int, list[Any]] = {}
         self._disk_bytes = 0
+        self._block_refs: dict[str, list[int]] = {}  # block hash -> [files using it, bytes]
         self._lookups = 0
         self._hits = 0
         self._disk_errors = 0
@@ -383,10 +384,44 @@ class PrefixCache:
                 self._remove(victim)
 
     def _drop_file(self, entry: _Entry) -> None:
-        if entry.stored is not None and self._store is not None:
-            self._store.delete(entry.stored)
-            self._disk_bytes -= entry.stored.nbytes
-            entry.stored = None
+        """Delete an entry's file and release the blocks it referenced."""
+        stored = entry.stored
+        if stored is None or self._store is None:
+            return
+        self._store.delete(stored)
+        self._disk_bytes -= stored.nbytes
+        entry.stored = None
+        for digest in stored.blocks:
+            ref = self._block_refs.get(digest)
+            if ref is None:
+                continue
+            ref[0] -= 1
+            if ref[0] == 0:
+                del self._block_refs[digest]
+                self._store.delete_block(digest)
+                self._disk_bytes -= ref[1]
+
+    def _attach_file(self, entry: _Entry, stored: StoredSnapshot) -> None:
+        """Account a file (and each block once) to an entry."""
+        assert self._store is not None
+        entry.stored = stored
+        self._disk_bytes += stored.nbytes
+        for digest in stored.blocks:
+            ref = self._block_refs.get(digest)
+            if ref is not None:
+                ref[0] += 1
+            else:
+                size = self._store.block_nbytes(digest)
+                self._block_refs[digest] = [1, size]
+                self._disk_bytes += size
+
+    def _discard_unattached(self, stored: StoredSnapshot) -> None:
+        """Delete a written file no entry will own, and its blocks nobody else uses."""
+        assert self._store is not None
+        self._store.delete(stored)
+        for digest in stored.blocks:
+            if digest not in self._block_refs:
+                self._store.delete_block(digest)
 
     # -- persistence -----------------------------------------------------------------
 
@@ -397,10 +432,9 @@ class PrefixCache:
                 store.delete(stored)
                 continue
             entry = node.entry = _Entry(node)
-            entry.stored = stored
             entry.note = stored.note
             self._entries.add(entry)
-            self._disk_bytes += stored.nbytes
+            self._attach_file(entry, stored)
         self._evict_disk()
 
     def _load(self, entry: _Entry) -> bool:
@@ -414,8 +448,7 @@ class PrefixCache:
             snapshot = self._from_arrays(loaded.state)
         except SnapshotFileError:
             self._disk_errors += 1
-            self._disk_bytes -= stored.nbytes
-            entry.stored = None
+            self._drop_file(entry)  # the store already deleted the file itself
             self._remove(entry)
             return False
         except Exception as exc:  # the model rejected the arrays (shapes, dtypes)
@@ -470,8 +503,16 @@ class PrefixCache:
                     self._remove(entry)
                 return
             if entry not in self._entries:  # evicted while being written
-                self._store.delete(stored)
+                self._discard_unattached(stored)
                 return
-            entry.stored = stored
-            self._disk_bytes += stored.nbytes
+            # A block found on disk while writing may have been released since then.
+            if any(
+                d not in self._block_refs and not self._store.block_exists(d)
+                for d in stored.blocks
+            ):
+                self._discard_unattached(stored)
+                if not entry.resident:
+                    self._remove(entry)
+                return
+            self._attach_file(entry, stored)
             self._evict_disk()

@@ -4,8 +4,12 @@ Each file holds the token path, the last logits row and the model state arrays, 
 its metadata the format version, the identity (fingerprint) of the model the state
 belongs to and a SHA-256 over every array. Files are written to a temporary name, synced
 and renamed, so a crash leaves either the old set or the new file, never half a file.
+Per-token arrays (the MLA latent cache, exported as ``*.latent`` [tokens, width]) are
+split into 256-row blocks stored once under ``blocks/`` by content hash: a conversation's
+successive snapshots share their prefix blocks on disk as they do in memory, so a turn
+at 12K tokens writes ~20 MB of new state instead of the whole 180 MB latent again.
 At start-up only headers and token paths are read (the index); arrays are read and their
-checksum verified when a request first needs them. Anything that fails a check (not
+checksums verified when a request first needs them. Anything that fails a check (not
 safetensors, truncated, foreign fingerprint, wrong checksum, wrong shapes) is deleted.
 
 safetensors is used instead of a home-made container because it is already a runtime
@@ -36,6 +40,10 @@ _TMP_SUFFIX = ".tmp"
 _TOKENS = "tokens"
 _LOGITS = "logits"
 _STATE_PREFIX = "state."
+_BLOCKS_DIR = "blocks"
+_BLOCK_SUFFIX = ".blk"
+BLOCK_ROWS = 256  # rows per content-addressed block of a per-token array
+_CHUNKED_SUFFIX = ".latent"  # per-token (append-only) arrays, named so by the model
 
 
 class SnapshotFileError(Exception):
@@ -67,7 +75,8 @@ def arrays_checksum(arrays: Mapping[str, np.ndarray]) -> str:
     for name in sorted(arrays):
         a = np.asarray(arrays[name], order="C")
         h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
-        h.update(memoryview(a).cast("B"))
+        if a.size:  # memoryview cannot cast an empty array
+            h.update(memoryview(a).cast("B"))
     return h.hexdigest()
 
 
@@ -78,14 +87,27 @@ def _note_checksum(note: str, tokens: tuple[int, ...]) -> str:
     return h.hexdigest()
 
 
+def _block_hash(a: np.ndarray) -> str:
+    h = hashlib.sha256(f"{a.dtype.str}|{a.shape}|".encode())
+    h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
+
+
+def _file_checksum(arrays: Mapping[str, np.ndarray], blocks_json: str) -> str:
+    """Checksum of a snapshot file: its arrays plus the list of blocks it references
+    (each block is verified against its own name when read)."""
+    return hashlib.sha256((arrays_checksum(arrays) + blocks_json).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class StoredSnapshot:
     """Index entry of one file: enough to place it in the trie without reading arrays."""
 
     path: Path
     tokens: tuple[int, ...]
-    nbytes: int  # size of the file
+    nbytes: int  # size of the file (blocks not included)
     note: str = ""  # caller's annotation (the engine keeps its turn transcript here)
+    blocks: tuple[str, ...] = ()  # content hashes of the shared blocks it references
 
 
 @dataclass(frozen=True)
@@ -107,6 +129,25 @@ class SnapshotStore:
         digest = hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()
         return self.directory / f"{digest[:40]}{SUFFIX}"
 
+    @property
+    def blocks_directory(self) -> Path:
+        return self.directory / _BLOCKS_DIR
+
+    def block_path(self, digest: str) -> Path:
+        return self.blocks_directory / f"{digest}{_BLOCK_SUFFIX}"
+
+    def block_nbytes(self, digest: str) -> int:
+        try:
+            return self.block_path(digest).stat().st_size
+        except OSError:
+            return 0
+
+    def block_exists(self, digest: str) -> bool:
+        return self.block_path(digest).is_file()
+
+    def delete_block(self, digest: str) -> None:
+        self.block_path(digest).unlink(missing_ok=True)
+
     # -- writing -------------------------------------------------------------------
 
     def write(
@@ -121,12 +162,25 @@ class SnapshotStore:
             _TOKENS: np.asarray(tokens, dtype=np.int64),
             _LOGITS: np.ascontiguousarray(logits, dtype=np.float32),
         }
+        blocks: dict[str, dict[str, Any]] = {}
         for name, value in state.items():
-            arrays[_STATE_PREFIX + name] = np.asarray(value, order="C")
+            a = np.asarray(value, order="C")
+            if name.endswith(_CHUNKED_SUFFIX) and a.ndim == 2 and a.shape[0] >= BLOCK_ROWS:
+                full = a.shape[0] // BLOCK_ROWS * BLOCK_ROWS
+                hashes = [
+                    self._write_block(a[i : i + BLOCK_ROWS]) for i in range(0, full, BLOCK_ROWS)
+                ]
+                blocks[name] = {"dtype": a.dtype.str, "cols": a.shape[1], "hashes": hashes}
+                a = a[full:]
+            arrays[_STATE_PREFIX + name] = a
+        if blocks:
+            self._sync_directory(self.blocks_directory)
+        blocks_json = json.dumps(blocks, sort_keys=True)
         metadata = {
             "format": FORMAT,
             "fingerprint": self.fingerprint,
-            "checksum": arrays_checksum(arrays),
+            "checksum": _file_checksum(arrays, blocks_json),
+            "blocks": blocks_json,
         }
         if note:
             metadata["note"] = note
@@ -144,12 +198,34 @@ class SnapshotStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self._sync_directory()
-        return StoredSnapshot(final, tuple(tokens), final.stat().st_size, note)
+        self._sync_directory(self.directory)
+        digests = tuple(h for spec in blocks.values() for h in spec["hashes"])
+        return StoredSnapshot(final, tuple(tokens), final.stat().st_size, note, digests)
 
-    def _sync_directory(self) -> None:
+    def _write_block(self, rows: np.ndarray) -> str:
+        """Store one block under its content hash (once); returns the hash."""
+        digest = _block_hash(rows)
+        final = self.block_path(digest)
+        if final.is_file():
+            return digest
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}{_TMP_SUFFIX}")
+        # Renamed into place (never half a block under its name) but not fsynced one by
+        # one: a block lost in a crash fails its hash check on load and only costs that
+        # snapshot, while syncing hundreds of blocks per write would cost seconds.
         try:
-            fd = os.open(self.directory, os.O_RDONLY)
+            with open(tmp, "wb") as f:
+                f.write(memoryview(np.ascontiguousarray(rows)).cast("B"))
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return digest
+
+    @staticmethod
+    def _sync_directory(directory: Path) -> None:
+        try:
+            fd = os.open(directory, os.O_RDONLY)
         except OSError:  # platforms without directory fds
             return
         try:
@@ -175,7 +251,19 @@ class SnapshotStore:
             except SnapshotFileError as exc:
                 log.warning("prefix cache: deleting %s: %s", path.name, exc)
                 path.unlink(missing_ok=True)
+        self._collect_blocks({h for entry in found for h in entry.blocks})
         return found
+
+    def _collect_blocks(self, referenced: set[str]) -> None:
+        """Delete blocks no valid snapshot references (and crash leftovers)."""
+        if not self.blocks_directory.is_dir():
+            return
+        for path in self.blocks_directory.iterdir():
+            name = path.name
+            if name.endswith(_BLOCK_SUFFIX) and name[: -len(_BLOCK_SUFFIX)] in referenced:
+                continue
+            if path.is_file():
+                path.unlink(missing_ok=True)
 
     def _read_index(self, path: Path) -> StoredSnapshot:
         try:
@@ -198,7 +286,8 @@ class SnapshotStore:
         note = meta.get("note", "")
         if note and meta.get("note_checksum") != _note_checksum(note, key):
             raise SnapshotFileError("note checksum mismatch")
-        return StoredSnapshot(path, key, path.stat().st_size, note)
+        digests = tuple(h for spec in _parse_blocks(meta).values() for h in spec["hashes"])
+        return StoredSnapshot(path, key, path.stat().st_size, note, digests)
 
     def _check_metadata(self, meta: Mapping[str, str]) -> None:
         if meta.get("format") != FORMAT:
@@ -227,8 +316,15 @@ class SnapshotStore:
             raise
         except Exception as exc:
             raise SnapshotFileError(f"unreadable: {exc}") from exc
-        if arrays_checksum(arrays) != meta["checksum"]:
+        blocks = _parse_blocks(meta)
+        if _file_checksum(arrays, meta.get("blocks", "")) != meta["checksum"]:
             raise SnapshotFileError("checksum mismatch")
+        for name, spec in blocks.items():
+            key = _STATE_PREFIX + name
+            if key not in arrays:
+                raise SnapshotFileError(f"no tail array for {name}")
+            parts = [self._read_block(h, spec) for h in spec["hashes"]]
+            arrays[key] = np.concatenate([*parts, arrays[key]], axis=0)
         tokens = tuple(int(t) for t in arrays.pop(_TOKENS))
         if tokens != entry.tokens:
             raise SnapshotFileError("token path changed since start-up")
@@ -242,5 +338,41 @@ class SnapshotStore:
         }
         return LoadedSnapshot(tokens, logits, state)
 
+    def _read_block(self, digest: str, spec: Mapping[str, Any]) -> np.ndarray:
+        path = self.block_path(digest)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise SnapshotFileError(f"block {digest[:12]} unreadable: {exc}") from exc
+        try:
+            rows = np.frombuffer(data, dtype=np.dtype(spec["dtype"])).reshape(
+                BLOCK_ROWS, int(spec["cols"])
+            )
+        except (ValueError, TypeError) as exc:
+            path.unlink(missing_ok=True)
+            raise SnapshotFileError(f"block {digest[:12]} has the wrong size") from exc
+        if _block_hash(rows) != digest:
+            path.unlink(missing_ok=True)
+            raise SnapshotFileError(f"block {digest[:12]} is corrupt")
+        return rows
+
     def delete(self, entry: StoredSnapshot) -> None:
+        """Delete a snapshot file (its blocks are the caller's to release)."""
         entry.path.unlink(missing_ok=True)
+
+
+def _parse_blocks(meta: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """The ``blocks`` metadata, validated enough to be used as file names and shapes."""
+    try:
+        blocks = json.loads(meta.get("blocks", "{}"))
+        for spec in blocks.values():
+            np.dtype(spec["dtype"])
+            int(spec["cols"])
+            for h in spec["hashes"]:
+                if len(h) != 64 or not all(c in "0123456789abcdef" for c in h):
+                    raise ValueError("bad block hash")
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise SnapshotFileError(f"bad block list: {exc}") from exc
+    if not isinstance(blocks, dict):
+        raise SnapshotFileError("bad block list")
+    return blocks
