@@ -370,3 +370,17 @@ async def test_boundary_snapshots_cover_header_and_last_message(tok):
         )
     assert edited_last.usage.cached_tokens == ends[2]  # start of the last user message
     assert edited_first.usage.cached_tokens == ends[0]  # end of the system header
+
+
+async def test_close_during_a_stream_fails_it_instead_of_hanging(tok):
+    engine, _ = make_engine(tok, answer_text=" ".join(["hello"] * 40), delay=0.02)
+    stream = engine.generate(GenerationRequest(prompt(), GREEDY))
+    await anext(stream)
+    await asyncio.to_thread(engine.close)
+
+    async def drain():
+        async for _ in stream:
+            pass
+
+    with pytest.raises(EngineFailure):
+        await asyncio.wait_for(drain(), 5)

@@ -243,6 +243,7 @@ class Engine:
         current = self._current
         if current is not None:
             current.cancel.set()
+            current.emit(EngineFailure("the engine is shutting down"))  # unblock its consumer
         self._jobs.put(None)
         self._worker.join()
         if self._cache is not None:
