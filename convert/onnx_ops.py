@@ -111,6 +111,16 @@ class GraphBuilder:
         return model
 
     # -- ops ---------------------------------------------------------------------------
+    def node(self, op: str, inputs: Sequence[str], hint: str | None = None, **attrs: object
+             ) -> str:
+        """Any single-output ONNX op (Reshape, Transpose, batched MatMul, Softplus...)."""
+        return self._node(op, inputs, hint or op.lower(), **attrs)
+
+    def reshape(self, x: str, shape: Sequence[int], name: str) -> str:
+        """Reshape with ``0`` = keep that dim, so one graph serves every T."""
+        return self._node("Reshape", [x, self.constant(name, np.array(shape, np.int64))],
+                          "reshape")
+
     def add(self, a: str, b: str) -> str:
         return self._node("Add", [a, b], "add")
 

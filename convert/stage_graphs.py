@@ -1,0 +1,199 @@
+"""The NPU stage graphs, built once from checkpoint weights as ONNX.
+
+One builder per stage kind, mirroring the numpy references in
+``ling3_rknn.model.stages`` op for op (tests/test_convert_stage_graphs.py holds them to
+it). Every graph takes and returns 3-D ``[1, T, width]`` tensors with a symbolic ``T``:
+the ONNX twin serves any T and the ``.rknn`` is built with two static shape sets, T = 1
+for decode and T = chunk for prefill.
+
+Stage contract (the numpy stages give the same numbers; the runtime adapts in
+``ling3_rknn.model.bundle_stages``):
+
+* ``layer.<i>.in`` (KDA): ``x`` -> ``qkv``, ``log_decay``, ``beta``, ``out_gate``;
+  (MLA): ``x`` -> ``q_latent``, ``q_rope``, ``latent``, ``k_rope``, ``gate``.
+* ``layer.<i>.out`` (KDA): ``x, core, out_gate``; (MLA): ``x, ctx, gate`` ->
+  ``attn_delta`` plus ``ffn_delta`` (dense FFN layer) or ``moe_input``, ``shared``,
+  ``router_logits`` (MoE layer). The residual adds stay on the CPU in fp32: w8a8
+  quantizes activations per tensor, and the residual stream's outlier channels lose
+  precision when the sum itself is an NPU output (convert/README.md, finding 2).
+* ``final``: ``x`` -> ``logits``.
+* ``layer.<i>.expert.<e>``: ``x`` -> ``y``, one routed expert promoted by the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from convert.onnx_ops import GraphBuilder
+from ling3_rknn.config import ModelConfig
+from ling3_rknn.model.stages import (
+    DenseFfnWeights,
+    FinalWeights,
+    KdaInputWeights,
+    MlaInputWeights,
+    OutputWeights,
+)
+
+T = "T"  # the symbolic token axis of every ONNX twin
+LATENT_NORM_EPS = 1e-6  # transformers' class default for q_a / kv_a norms (stages.py)
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    name: str
+    model: onnx.ModelProto
+    inputs: tuple[str, ...]
+    input_widths: tuple[int, ...]
+    outputs: tuple[str, ...]
+
+    def shape_sets(self, chunk_sizes: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Decode (T=1) first, then each prefill chunk: rknn-toolkit2's dynamic_input."""
+        sizes = (1, *[c for c in chunk_sizes if c != 1])
+        return tuple(tuple((1, t, w) for w in self.input_widths) for t in sizes)
+
+
+def _finish(b: GraphBuilder, name: str, inputs: dict[str, int], outputs: dict[str, str]
+            ) -> StageGraph:
+    for out_name, value in outputs.items():
+        b.output(value, out_name)
+    return StageGraph(name, b.build(), tuple(inputs), tuple(inputs.values()), tuple(outputs))
+
+
+def _rows(w: np.ndarray, start: int, stop: int) -> np.ndarray:
+    return np.ascontiguousarray(w[start:stop])
+
+
+# --------------------------------------------------------------------------- input stages
+def kda_input_graph(name: str, w: KdaInputWeights, cfg: ModelConfig,
+                    weight_dtype: type = np.float32) -> StageGraph:
+    h, d = cfg.num_attention_heads, cfg.kda_head_dim
+    p, dim = h * d, cfg.hidden_size
+    b = GraphBuilder(name, weight_dtype)
+    x = b.input("x", [1, T, dim])
+    u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
+    qkv = b.linear(u, _rows(w.proj, 0, 3 * p), "qkv")
+    f = b.linear(u, _rows(w.proj, 3 * p, 4 * p), "f")
+    g = b.linear(u, _rows(w.proj, 4 * p, 5 * p), "g")
+    beta = b.sigmoid(b.linear(u, _rows(w.proj, 5 * p, 5 * p + h), "b"))
+    rate = np.repeat(np.exp(w.a_log.astype(np.float64)), d).astype(np.float32)  # per channel
+    if cfg.kda_safe_gate:
+        # lb * sigmoid(A (f + dt_bias)), with A (f + dt) folded into one scale + shift
+        z = b.scale_shift(f, "forget", scale=rate, shift=rate * w.dt_bias)
+        decay = b.scale_shift(b.sigmoid(z), "lower_bound",
+                              scale=np.array(cfg.kda_lower_bound, np.float32))
+    else:
+        sp = b.node("Softplus", [b.scale_shift(f, "forget", shift=w.dt_bias)])
+        decay = b.scale_shift(sp, "neg_rate", scale=-rate)
+    return _finish(b, name, {"x": dim},
+                   {"qkv": qkv, "log_decay": decay, "beta": beta, "out_gate": g})
+
+
+def mla_input_graph(name: str, w: MlaInputWeights, cfg: ModelConfig,
+                    weight_dtype: type = np.float32) -> StageGraph:
+    h, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    r, dim, dqk = cfg.kv_lora_rank, cfg.hidden_size, cfg.qk_head_dim
+    b = GraphBuilder(name, weight_dtype)
+    x = b.input("x", [1, T, dim])
+    u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
+    q_width = w.proj.shape[0] - r - dr - h
+    if w.q_b is not None:
+        q_in = b.rmsnorm(b.linear(u, _rows(w.proj, 0, q_width), "q_a"), w.q_a_norm,
+                         LATENT_NORM_EPS, "q_a_norm")
+        q_w = w.q_b
+    else:
+        q_in, q_w = u, _rows(w.proj, 0, q_width)
+    # Split the query rows per head into their nope and rope parts in the weight, not with
+    # a Slice of the activations: two plain projections.
+    per_head = q_w.reshape(h, dqk, q_w.shape[-1])
+    q_nope = b.linear(q_in, per_head[:, :dn].reshape(h * dn, -1), "q_nope")
+    q_rope = b.linear(q_in, per_head[:, dn:].reshape(h * dr, -1), "q_rope")
+    # Absorbed query: per head W_kb_h^T q_nope_h, one batched MatMul over the heads.
+    heads = b.node("Transpose", [b.reshape(q_nope, [0, 0, h, dn], "q_nope.shape")],
+                   perm=[0, 2, 1, 3])  # [1, H, T, dn]
+    absorbed = b.node("MatMul", [heads, b.weight("w_kb", w.w_kb)])  # [1, H, T, r]
+    q_latent = b.reshape(b.node("Transpose", [absorbed], perm=[0, 2, 1, 3]), [0, 0, h * r],
+                         "q_latent.shape")
+    latent = b.rmsnorm(b.linear(u, _rows(w.proj, q_width, q_width + r), "kv_a"),
+                       w.kv_a_norm, LATENT_NORM_EPS, "kv_a_norm")
+    k_rope = b.linear(u, _rows(w.proj, q_width + r, q_width + r + dr), "k_rope")
+    gate = b.sigmoid(b.linear(u, _rows(w.proj, q_width + r + dr, q_width + r + dr + h), "gate"))
+    return _finish(b, name, {"x": dim}, {"q_latent": q_latent, "q_rope": q_rope,
+                                         "latent": latent, "k_rope": k_rope, "gate": gate})
+
+
+# --------------------------------------------------------------------------- output stages
+def kda_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
+                     weight_dtype: type = np.float32) -> StageGraph:
+    h, d, dim = cfg.num_attention_heads, cfg.kda_head_dim, cfg.hidden_size
+    b = GraphBuilder(name, weight_dtype)
+    x = b.input("x", [1, T, dim])
+    core = b.reshape(b.input("core", [1, T, h * d]), [0, 0, h, d], "core.shape")
+    gate = b.reshape(b.input("out_gate", [1, T, h * d]), [0, 0, h, d], "gate.shape")
+    normed = b.mul(b.rmsnorm(core, w.o_norm, cfg.rms_norm_eps, "o_norm"), b.sigmoid(gate))
+    y = b.reshape(normed, [0, 0, h * d], "y.shape")
+    return _output_tail(b, name, {"x": dim, "core": h * d, "out_gate": h * d}, x, y, w, cfg)
+
+
+def mla_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
+                     weight_dtype: type = np.float32) -> StageGraph:
+    h, r, dv, dim = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.v_head_dim, cfg.hidden_size
+    b = GraphBuilder(name, weight_dtype)
+    x = b.input("x", [1, T, dim])
+    ctx = b.reshape(b.input("ctx", [1, T, h * r]), [0, 0, h, r], "ctx.shape")
+    gate = b.reshape(b.input("gate", [1, T, h]), [0, 0, h, 1], "gate.shape")
+    heads = b.node("Transpose", [ctx], perm=[0, 2, 1, 3])  # [1, H, T, r]
+    w_vb_t = np.ascontiguousarray(w.w_vb.transpose(0, 2, 1))  # [H, r, dv]
+    values = b.node("Transpose", [b.node("MatMul", [heads, b.weight("w_vb", w_vb_t)])],
+                    perm=[0, 2, 1, 3])  # [1, T, H, dv]
+    y = b.reshape(b.mul(values, gate), [0, 0, h * dv], "y.shape")
+    return _output_tail(b, name, {"x": dim, "ctx": h * r, "gate": h}, x, y, w, cfg)
+
+
+def _output_tail(b: GraphBuilder, name: str, inputs: dict[str, int], x: str, y: str,
+                 w: OutputWeights, cfg: ModelConfig) -> StageGraph:
+    delta = b.linear(y, w.o_proj, "o_proj")
+    u = b.rmsnorm(b.add(x, delta), w.post_norm, cfg.rms_norm_eps, "post_norm")
+    if isinstance(w.ffn, DenseFfnWeights):
+        inter = w.ffn.gate_up.shape[0] // 2
+        ffn = b.swiglu_mlp(u, w.ffn.gate_up[:inter], w.ffn.gate_up[inter:], w.ffn.down, "mlp")
+        return _finish(b, name, inputs, {"attn_delta": delta, "ffn_delta": ffn})
+    outputs = {"attn_delta": delta, "moe_input": u}
+    if w.ffn.shared_gate_up is not None:
+        inter = w.ffn.shared_gate_up.shape[0] // 2
+        outputs["shared"] = b.swiglu_mlp(u, w.ffn.shared_gate_up[:inter],
+                                         w.ffn.shared_gate_up[inter:], w.ffn.shared_down,
+                                         "shared")
+    # The router stays float32 in transformers; w8a8 builds quantize it like the rest, the
+    # simulator tier measures what that costs.
+    outputs["router_logits"] = b.linear(u, w.ffn.router, "router")
+    return _finish(b, name, inputs, outputs)
+
+
+# --------------------------------------------------------------------------- the rest
+def final_graph(name: str, w: FinalWeights, cfg: ModelConfig,
+                weight_dtype: type = np.float32) -> StageGraph:
+    b = GraphBuilder(name, weight_dtype)
+    x = b.input("x", [1, T, cfg.hidden_size])
+    logits = b.linear(b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm"), w.lm_head, "lm_head")
+    return _finish(b, name, {"x": cfg.hidden_size}, {"logits": logits})
+
+
+def expert_graph(name: str, gate_up: np.ndarray, down: np.ndarray, cfg: ModelConfig,
+                 weight_dtype: type = np.float32) -> StageGraph:
+    """One routed expert for the NPU (``--npu-budget``): ``y = swiglu(x)``."""
+    b = GraphBuilder(name, weight_dtype)
+    x = b.input("x", [1, T, cfg.hidden_size])
+    inter = gate_up.shape[0] // 2
+    y = b.swiglu_mlp(x, gate_up[:inter], gate_up[inter:], down, "expert")
+    return _finish(b, name, {"x": cfg.hidden_size}, {"y": y})
+
+
+def stage_names(cfg: ModelConfig) -> list[str]:
+    """Every dense stage in execution order (the NPU calls of one token)."""
+    names = []
+    for i in range(cfg.num_hidden_layers):
+        names += [f"layer.{i}.in", f"layer.{i}.out"]
+    return [*names, "final"]
