@@ -196,3 +196,16 @@ def test_bucketed_nucleus_matches_reference(min_p):
     assert set(np.flatnonzero(got)) <= support
     assert len(set(np.flatnonzero(got))) > 0.9 * len(support)
     assert np.abs(got - want).max() < 0.004
+
+
+def test_penalty_bookkeeping_grows_past_its_initial_capacity():
+    s = SamplerSettings(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0)
+    sampler = Sampler(s, 1000, prompt_ids=[999])
+    for t in range(300):
+        sampler.accept(t)
+        sampler.accept(t)
+    x = np.ones(1000, np.float32)
+    out = sampler._apply_penalties(x)
+    np.testing.assert_allclose(out[:300], 0.5 - 2.0)
+    np.testing.assert_allclose(out[300:999], 1.0)
+    assert out[999] == 0.5

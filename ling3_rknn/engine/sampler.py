@@ -154,8 +154,13 @@ class Sampler:
         self._seen: dict[int, None] = dict.fromkeys(
             int(t) for t in prompt_ids if 0 <= int(t) < vocab_size
         )
-        self._seen_array: np.ndarray | None = None
-        self._output_counts: dict[int, int] = {}
+        # The same ids as an array with spare room, so a new token is an O(1) append.
+        self._seen_array = np.zeros(max(64, 2 * len(self._seen)), np.int64)
+        self._seen_array[: len(self._seen)] = list(self._seen)
+        # Output token counts, kept as parallel arrays so a step costs no rebuild.
+        self._output_slot: dict[int, int] = {}
+        self._output_ids = np.zeros(64, np.int64)
+        self._output_counts = np.zeros(64, np.float32)
         self._penalised = (
             settings.repetition_penalty != 1.0
             or settings.presence_penalty != 0.0
@@ -165,9 +170,21 @@ class Sampler:
     def accept(self, token_id: int) -> None:
         """Record a generated token (feeds the penalties)."""
         if token_id not in self._seen:
+            n = len(self._seen)
             self._seen[token_id] = None
-            self._seen_array = None
-        self._output_counts[token_id] = self._output_counts.get(token_id, 0) + 1
+            if n == self._seen_array.shape[0]:
+                self._seen_array = np.resize(self._seen_array, 2 * n)
+            self._seen_array[n] = token_id
+        slot = self._output_slot.get(token_id)
+        if slot is None:
+            slot = self._output_slot[token_id] = len(self._output_slot)
+            if slot == self._output_ids.shape[0]:
+                self._output_ids = np.resize(self._output_ids, 2 * slot)
+                self._output_counts = np.concatenate(
+                    [self._output_counts, np.zeros(slot, np.float32)]
+                )
+            self._output_ids[slot] = token_id
+        self._output_counts[slot] += 1
 
     def sample(self, logits: np.ndarray) -> int:
         """Choose the next token from one row of logits; never modifies ``logits``."""
@@ -188,16 +205,13 @@ class Sampler:
         s = self.settings
         x = np.array(logits, dtype=np.float32, copy=True)
         if s.repetition_penalty != 1.0 and self._seen:
-            if self._seen_array is None:
-                self._seen_array = np.fromiter(self._seen, dtype=np.int64, count=len(self._seen))
-            ids = self._seen_array
+            ids = self._seen_array[: len(self._seen)]
             v = x[ids]
             x[ids] = np.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
-        if (s.presence_penalty != 0.0 or s.frequency_penalty != 0.0) and self._output_counts:
-            ids = np.fromiter(self._output_counts, dtype=np.int64, count=len(self._output_counts))
-            counts = np.fromiter(
-                self._output_counts.values(), dtype=np.float32, count=len(self._output_counts)
-            )
+        n = len(self._output_slot)
+        if (s.presence_penalty != 0.0 or s.frequency_penalty != 0.0) and n:
+            ids = self._output_ids[:n]
+            counts = self._output_counts[:n]
             x[ids] -= np.float32(s.presence_penalty) + np.float32(s.frequency_penalty) * counts
         return x
 
