@@ -384,3 +384,39 @@ async def test_close_during_a_stream_fails_it_instead_of_hanging(tok):
 
     with pytest.raises(EngineFailure):
         await asyncio.wait_for(drain(), 5)
+
+
+async def test_thinking_turn_round_trips_through_the_chat_layer(tok):
+    """Reasoning + content + a tool call, parsed and re-rendered by the real chat layer,
+    splice back onto the generated ids: turn 2 evaluates only the tool result turn."""
+    from ling3_rknn.chat import assistant_message, parse_assistant, render
+
+    tools = [{"type": "function", "function": {
+        "name": "read", "parameters": {"type": "object",
+                                       "properties": {"path": {"type": "string"}}}}}]
+    answer = [
+        *tok.encode_text("look"), tok.special_ids["</think>"], *tok.encode_text("ok"),
+        *tok.encode_segments([C("\n<tool_call>")]), *tok.encode_text("read\n"),
+        tok.special_ids["<arg_key>"], *tok.encode_text("path"), tok.special_ids["</arg_key>"],
+        *tok.encode_text("\n"), tok.special_ids["<arg_value>"], *tok.encode_text("a.py"),
+        tok.special_ids["</arg_value>"], *tok.encode_text("\n"), tok.special_ids["</tool_call>"],
+    ]
+    think = tok.special_ids["<think>"]  # the generation prompt ends with it
+    model = ScriptedModel(tok.vocab_size, answer_script(answer, think, tok.eos_id))
+    history = [{"role": "user", "content": "read a.py"}]
+    with Engine(model, tok, model_id="t", max_context=1024, checkpoint_min_tokens=0) as engine:
+        _, fin = await collect(engine, GenerationRequest(render(history, tools), GREEDY))
+        parsed = parse_assistant(fin.text, tools, thinking=True)
+        assert parsed.reasoning == "look" and parsed.tool_calls
+        history.append(assistant_message(parsed, ["call_1"]))
+        history.append({"role": "tool", "tool_call_id": "call_1", "content": "x = 1"})
+        await engine.idle()
+        turn2 = render(history, tools)
+        _, fin2 = await collect(engine, GenerationRequest(turn2, GREEDY))
+    prompt1 = tok.encode_segments(render(history[:1], tools))
+    assert fin2.usage.cached_tokens == len(prompt1) + len(answer) + 1  # + <|role_end|>
+    tail = tok.encode_segments(
+        [C("<role>OBSERVATION</role>\n<tool_response>\n"), T("x = 1"),
+         C("\n</tool_response><|role_end|><role>ASSISTANT</role>\n<think>")]
+    )
+    assert fin2.usage.prompt_tokens - fin2.usage.cached_tokens == len(tail)
