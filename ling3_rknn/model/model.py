@@ -78,6 +78,23 @@ class Model:
             config, stages, NumpyExperts(weights.expert), CpuWeights.from_checkpoint(weights)
         )
 
+    @classmethod
+    def from_bundle(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        executor: str = "auto",
+        verify: str = "size",
+        threads: int = 2,
+    ) -> Model:
+        """Load a converted bundle: stage graphs on RKNNLite (the board, or its ONNX-twin
+        mock on a host; ``executor`` = auto | rknnlite | mock | onnx), routed experts on
+        the CPU kernels and the NPU experts of the placement plan. The manifest is checked
+        first (``verify="size"`` fast, ``"full"`` sha256 of every file)."""
+        from .bundle_loader import load_from_bundle
+
+        return load_from_bundle(path, executor, verify, threads)  # type: ignore[arg-type]
+
     def new_state(self) -> SequenceState:
         return SequenceState(self.config)
 

@@ -1,0 +1,49 @@
+"""The host twin of a w8a8 stage: the fp32 graph with QuantizeLinear/DequantizeLinear pairs.
+
+On the board rknn-toolkit2 runs the stage with int8 weights (per output channel) and int8
+activations (per tensor, asymmetric, ranges from the calibration set). The host mock must
+show the same error, so the ONNX twin next to a w8a8 ``.rknn`` is quantized the same way
+by onnxruntime's own static quantizer (a maintained implementation of exactly this
+scheme) from the same calibration samples, rather than by hand-written rounding.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+
+class _Reader:
+    """onnxruntime's CalibrationDataReader over ``[N, 1, T, W]`` samples per input."""
+
+    def __init__(self, samples: Mapping[str, np.ndarray]) -> None:
+        count = len(next(iter(samples.values())))
+        self._it: Iterator[dict[str, np.ndarray]] = iter(
+            [{k: np.ascontiguousarray(v[n], np.float32) for k, v in samples.items()}
+             for n in range(count)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+
+def quantize_twin(model: onnx.ModelProto, samples: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """QDQ version of ``model``: int8 per-channel weights, uint8 per-tensor activations."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    with tempfile.TemporaryDirectory(prefix="ling3-w8a8-") as tmp:
+        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "w8a8.onnx"
+        src.write_bytes(model.SerializeToString())
+        quantize_static(
+            str(src), str(dst), _Reader(samples),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            op_types_to_quantize=["MatMul"],
+            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False},
+        )
+        return onnx.load(str(dst))
