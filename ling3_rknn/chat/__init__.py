@@ -3,6 +3,7 @@
 Leaf package: imports nothing else from ``ling3_rknn`` (enforced by import-linter).
 """
 
+from .history import history_text
 from .parse import assistant_message, new_tool_call_id, parse_assistant
 from .parsed import (
     ContentDelta,
@@ -28,6 +29,7 @@ __all__ = [
     "ToolCall",
     "ToolCallParsed",
     "assistant_message",
+    "history_text",
     "new_tool_call_id",
     "parse_assistant",
     "render",

@@ -8,7 +8,7 @@ Kept in its own module so a scripted test double can implement the same interfac
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -43,6 +43,11 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None  # None: up to the context limit
     stop: Sequence[str] = ()
+    # Maps the generated text to the text the template will render for it when the client
+    # sends the turn back as history (``ling3_rknn.chat.history_text``), or None when it
+    # cannot. Lets the engine reuse the generated ids even when the template normalises
+    # the model's spacing; without it the generated text is assumed to re-render verbatim.
+    history_text: Callable[[str], str | None] | None = None
 
 
 @dataclass(frozen=True)

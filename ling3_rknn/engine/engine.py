@@ -185,7 +185,10 @@ class Engine:
                 except RuntimeError:  # the consumer's loop is gone
                     job.cancel.set()
 
-            job = Job(prompt, settings, request.max_tokens, stops, emit)
+            job = Job(
+                prompt, settings, request.max_tokens, stops, emit,
+                history_text=request.history_text,
+            )
             with self._admission:
                 self._in_flight += 1
             self._jobs.put(job)

@@ -78,6 +78,7 @@ class Job:
     stops: tuple[str, ...]
     emit: Callable[[GenerationEvent | BaseException], None]
     cancel: threading.Event = field(default_factory=threading.Event)
+    history_text: Callable[[str], str | None] | None = None
 
 
 @dataclass
@@ -333,7 +334,7 @@ class Runner:
         full = [*prompt.ids, *body, self._eos_id]
         if len(full) > self._options.max_context:
             return
-        record = self._encoder.remember(prompt, text, body, self._eos_id)
+        record = self._encoder.remember(prompt, _history_form(job, text), body, self._eos_id)
         if self._cache is None:
             return
         t0 = time.perf_counter()
@@ -346,6 +347,19 @@ class Runner:
             self._counters.decode_tokens += len(feed)
             self._counters.decode_seconds += time.perf_counter() - t0
         self._snapshot(full, logits, self._encoder.note_of(record))
+
+
+def _history_form(job: Job, text: str) -> str:
+    """The text the next request will carry for this turn (the generated text itself
+    unless the caller knows how the template normalises it)."""
+    if job.history_text is None:
+        return text
+    try:
+        canonical = job.history_text(text)
+    except Exception:  # a hint only: never lose the turn's transcript over it
+        log.exception("engine: history_text failed; keeping the generated text")
+        return text
+    return text if canonical is None else canonical
 
 
 def _tokenizer_vocab(tokenizer: Any, fallback: int) -> int:

@@ -8,6 +8,7 @@ calls) belong to ``ling3_rknn.chat``; this module only wires them to the engine.
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import string
@@ -89,6 +90,11 @@ def render_prompt(request: ChatRequest) -> Sequence[SegmentLike]:
         raise invalid_request(str(exc), param="messages") from None
 
 
+def callable_tools(request: ChatRequest) -> Any:
+    """The tools the model's output may call (none under ``tool_choice: none``)."""
+    return request.tools if request.tool_choice != "none" else None
+
+
 def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> GenerationRequest:
     stops = [*request.stop, END_OF_TURN_TEXT]
     return GenerationRequest(
@@ -96,6 +102,12 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
         sampling=request.sampling,
         max_tokens=request.max_tokens,
         stop=tuple(dict.fromkeys(stops)),
+        history_text=functools.partial(
+            chat.history_text,
+            tools=callable_tools(request),
+            thinking=request.enable_thinking,
+            parallel_tool_calls=request.parallel_tool_calls,
+        ),
     )
 
 
@@ -110,9 +122,8 @@ class Completion:
     def __init__(self, engine: EngineProtocol, request: ChatRequest) -> None:
         self.request = request
         prompt = render_prompt(request)
-        tools = request.tools if request.tool_choice != "none" else None
         self._parser = chat.StreamingParser(
-            tools,
+            callable_tools(request),
             thinking=request.enable_thinking,
             parallel_tool_calls=request.parallel_tool_calls,
         )
