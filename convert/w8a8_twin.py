@@ -30,8 +30,12 @@ class _Reader:
         return next(self._it, None)
 
 
-def quantize_twin(model: onnx.ModelProto, samples: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """QDQ version of ``model``: int8 per-channel weights, uint8 per-tensor activations."""
+def quantize_twin(model: onnx.ModelProto, samples: Mapping[str, np.ndarray],
+                  exclude_prefixes: tuple[str, ...] = ()) -> onnx.ModelProto:
+    """QDQ version of ``model``: int8 per-channel weights, uint8 per-tensor activations;
+    MatMuls whose weight name starts with one of ``exclude_prefixes`` stay float."""
+    excluded = [n.name for n in model.graph.node if n.op_type == "MatMul" and any(
+        i.startswith(exclude_prefixes) for i in n.input)] if exclude_prefixes else []
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     with tempfile.TemporaryDirectory(prefix="ling3-w8a8-") as tmp:
@@ -44,6 +48,7 @@ def quantize_twin(model: onnx.ModelProto, samples: Mapping[str, np.ndarray]) -> 
             weight_type=QuantType.QInt8,
             per_channel=True,
             op_types_to_quantize=["MatMul"],
+            nodes_to_exclude=excluded,
             extra_options={"WeightSymmetric": True, "ActivationSymmetric": False},
         )
         return onnx.load(str(dst))
