@@ -93,7 +93,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait for the model before new ones get 503 (default 16)",
     )
     serve.add_argument("--max-body-bytes", type=parse_size, default=16 * 1024**2, metavar="N")
+    _add_convert(commands)
     return parser
+
+
+def _add_convert(commands: Any) -> None:
+    """``convert`` (host only: needs the ``convert`` package, onnx and, for rk3588,
+    rknn-toolkit2 in .venv-rknn); imported lazily so the board runtime never loads it."""
+    conv = commands.add_parser("convert", help="HF checkpoint -> bundle (host only)")
+    conv.add_argument("hf_dir", type=Path, metavar="HF_DIR")
+    conv.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    conv.add_argument("--target", choices=["rk3588", "cpu"], default="rk3588")
+    conv.add_argument("--quant", choices=["fp16", "w8a8"], default="fp16")
+    conv.add_argument("--experts", choices=["int4", "int8", "fp16"], default="int4")
+    conv.add_argument("--calibration", type=Path, metavar="FILE",
+                      help="prompts: JSONL (text or ids per line) or blank-line separated text")
+    conv.add_argument("--npu-budget", type=parse_size, metavar="BYTES",
+                      help="bytes for routed experts on the NPU (default: what the ~4 GB "
+                           "window leaves after the dense stages)")
+    conv.add_argument("--chunk", type=_positive_int, default=64, help="prefill chunk size")
+    conv.add_argument("--tokenizer", type=Path, metavar="FILE",
+                      help="tokenizer.json (default HF_DIR/tokenizer.json)")
+    conv.add_argument("--chat-template", type=Path, metavar="FILE")
+    conv.add_argument("--block-size", type=_positive_int, default=32, help="expert quant block")
+    conv.add_argument("--no-rknn-build", action="store_true",
+                      help="write placeholder .rknn files (host mock tests only)")
+    conv.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    conv.add_argument("--resume", action="store_true",
+                      help="keep finished files of an interrupted run of the same conversion")
 
 
 def _is_loopback(host: str) -> bool:
@@ -233,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "serve":
         return serve(args)
+    if args.command == "convert":
+        from convert.cli import run_convert
+
+        return run_convert(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -1,0 +1,43 @@
+"""``ling3-rknn convert``: argparse namespace -> :func:`convert.converter.convert`.
+
+Every expected failure (bad checkpoint, config, tokenizer, calibration file, toolkit
+error, existing output) is one line on stderr and exit status 1; nothing half-written
+is left at OUT_DIR (the bundle writer renames a complete directory into place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from convert.calibration import CalibrationError
+from convert.converter import ConvertError, ConvertOptions, convert
+from convert.rknn_toolkit import RknnToolkitError
+from ling3_rknn.bundle import BundleError
+from ling3_rknn.config import ConfigError
+from ling3_rknn.model import CheckpointError
+from ling3_rknn.tokenizer import TokenizerError
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    opts = ConvertOptions(
+        target=args.target, quant=args.quant, experts=args.experts,
+        calibration=args.calibration, npu_budget=args.npu_budget, chunk=args.chunk,
+        tokenizer=args.tokenizer, chat_template=args.chat_template,
+        block_size=args.block_size, build_rknn=not args.no_rknn_build,
+        overwrite=args.overwrite, resume=args.resume, progress=sys.stderr.isatty(),
+    )
+    try:
+        report = convert(args.hf_dir, args.out_dir, opts)
+    except (ConvertError, ConfigError, CheckpointError, CalibrationError, TokenizerError,
+            BundleError, RknnToolkitError) as exc:
+        print(f"ling3-rknn convert: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    npu = sum(report.stage_bytes.values())
+    print(f"bundle written to {report.bundle} in {report.seconds:.1f} s; "
+          f"{len(report.stage_bytes)} NPU graphs, {npu / 2**20:.1f} MiB NPU-resident")
+    if report.placement is not None:
+        p = report.placement
+        print(f"placement: {sum(len(v) for v in p.plan.npu_experts.values())} experts on the "
+              f"NPU, ~{p.expected_calls_per_token:.1f} NPU calls per token")
+    return 0
