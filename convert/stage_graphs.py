@@ -143,12 +143,16 @@ def mla_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
     b = GraphBuilder(name, weight_dtype)
     x = b.input("x", [1, T, dim])
     ctx = b.reshape(b.input("ctx", [1, T, h * r]), [0, 0, h, r], "ctx.shape")
-    gate = b.reshape(b.input("gate", [1, T, h]), [0, 0, h, 1], "gate.shape")
+    gate = b.input("gate", [1, T, h])
     heads = b.node("Transpose", [ctx], perm=[0, 2, 1, 3])  # [1, H, T, r]
     w_vb_t = np.ascontiguousarray(w.w_vb.transpose(0, 2, 1))  # [H, r, dv]
     values = b.node("Transpose", [b.node("MatMul", [heads, b.weight("w_vb", w_vb_t)])],
                     perm=[0, 2, 1, 3])  # [1, T, H, dv]
-    y = b.reshape(b.mul(values, gate), [0, 0, h * dv], "y.shape")
+    # Each head's gate repeated over its dv channels by a 0/1 projection: a [1, T, H] ->
+    # [1, T, H, 1] Reshape is left on the board CPU by the compiler (simulator tier, real
+    # widths), a MatMul is not; exact in every precision (one 1 per column).
+    spread = b.linear(gate, np.repeat(np.eye(h, dtype=np.float32), dv, axis=0), "gate_spread")
+    y = b.mul(b.reshape(values, [0, 0, h * dv], "y.shape"), spread)
     return _output_tail(b, name, {"x": dim, "ctx": h * r, "gate": h}, x, y, w, cfg)
 
 
