@@ -44,13 +44,20 @@ def test_chunked_kda_equals_recurrence(t):
     np.testing.assert_allclose(s_chk.value(), s_rec.value(), atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("strength", [0.1, 1.0, 5.0])
+@pytest.mark.parametrize("strength", [0.1, 1.0, 5.0, "mixed"])
 def test_recurrence_matches_literal_delta_rule(strength):
-    """Strong decay drives the lazy scale below its fold threshold many times."""
+    """Strong decay drives the lazy scale below its fold threshold many times; "mixed" has
+    a few fast-decaying rows among undecayed ones (row-wise folds by index, with queued
+    corrections pending); 120 tokens cross several flushes of the queued corrections."""
     rng = np.random.default_rng(1)
     t_len = 120
     q, k, v, _, beta = kda_inputs(rng, t_len, h=2, d=8)
-    g = (-strength * rng.random((t_len, 2, 8))).astype(F32)
+    if strength == "mixed":
+        g = np.zeros((t_len, 2, 8), F32)
+        g[:, 0, 3] = -4.0 * rng.random(t_len)
+        g[:, 1, 6] = -2.0
+    else:
+        g = (-strength * rng.random((t_len, 2, 8))).astype(F32)
     s = RecurrentState.zeros((2, 8, 8))
     outs = [
         kda_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)
