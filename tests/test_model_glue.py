@@ -149,11 +149,17 @@ def naive_mla(q_nope, q_rope, rows, w_kb, w_vb, scale):
     return out
 
 
-@pytest.mark.parametrize(("context", "t"), [(1, 1), (300, 1), (300, 70), (600, 130)])
-def test_absorbed_mla_equals_expanded(context, t):
+@pytest.mark.parametrize(
+    ("context", "t", "growth"),
+    [(1, 1, 0), (300, 1, 0), (300, 70, 0), (600, 130, 0), (1300, 1, 3), (1100, 600, 3)],
+)
+def test_absorbed_mla_equals_expanded(context, t, growth):
+    """Longer contexts span several score groups; ``growth`` makes later keys score ever
+    higher, so the running softmax maximum moves from group to group."""
     rng = np.random.default_rng(context + t)
     h, dn, dr, dv, r = 4, 6, 4, 10, 12
     rows = rng.standard_normal((context, r + dr)).astype(F32)
+    rows *= (1 + growth * np.arange(context) / context).astype(F32)[:, None]
     cache = LatentCache(r + dr)
     cache.append(rows[: context - t])
     cache.append(rows[context - t :])

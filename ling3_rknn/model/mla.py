@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 _QUERY_CHUNK = 64  # bounds the [T*H, context] score matrix of a long prefill piece
+_GROUP_ROWS = 512  # cache rows scored together: 2 blocks, ~1.2 MB of cache, about one L2
 
 
 def rope_angles(
@@ -73,30 +74,62 @@ def _attend(
     """Softmax attention of query rows ``q`` [n*h, r+d_r] (positions first_pos..) over
     the first ``visible`` cache rows, block by block (no copy of the cache).
 
+    One pass over the cache with a running max (the flash-attention form): each group of
+    ~``_GROUP_ROWS`` rows gets its scores, exponentials and context contribution while it is
+    still in the core's L2, instead of a scores pass and a second context pass that reads
+    the whole cache from memory again. Measured A/B here: 3-4% less CPU at 4K and 32K
+    tokens, even at 512; the two skinny GEMMs per group are the rest (~20 GFLOP/s against
+    ~36 for a square sgemm). The softmax denominator divides the [r, n*h] context once at
+    the end, not the [visible, n*h] weights.
+
     Scores are kept key-major ([keys, queries]) so each block writes contiguous rows and
     both products run as (block @ q^T) and (block^T @ p): measured ~2x faster with
     OpenBLAS here than the query-major orientation for the 16-column decode case.
     """
+    n_cols = q.shape[0]
     q_t = np.ascontiguousarray(q.T)
-    scores = np.empty((visible, q.shape[0]), dtype=np.float32)
-    spans = []
+    n_queries = n_cols // h
+    q_pos = first_pos + np.arange(n_queries).repeat(h)  # causal mask inside the new tokens
+    ctx = np.zeros((r, n_cols), dtype=np.float32)
+    part = np.empty_like(ctx)
+    denom = np.zeros(n_cols, dtype=np.float32)
+    run_max: np.ndarray | None = None
+    most = 3 * _GROUP_ROWS // 2 + max(len(b) for b in blocks)  # what a group can reach
+    buf = np.empty((min(visible, most), n_cols), dtype=np.float32)
+    group: list[tuple[np.ndarray, int, int]] = []  # (rows, offset in buf, count)
+    filled = 0
     pos = 0
-    for block in blocks:
+    for i, block in enumerate(blocks):
         if pos >= visible:
             break
         n = min(block.shape[0], visible - pos)
-        np.matmul(block[:n], q_t, out=scores[pos : pos + n])
-        spans.append((block, pos, n))
+        np.matmul(block[:n], q_t, out=buf[filled : filled + n])
+        group.append((block[:n], filled, n))
+        filled += n
         pos += n
-    n_queries = q.shape[0] // h
-    if n_queries > 1:  # causal mask inside the new tokens; decode sees everything
-        q_pos = first_pos + np.arange(n_queries).repeat(h)
-        future = np.arange(visible)[:, None] > q_pos[None, :]
-        scores[future] = -np.inf
-    scores -= scores.max(axis=0)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=0)
-    ctx = np.zeros((r, q.shape[0]), dtype=np.float32)
-    for block, pos, n in spans:
-        ctx += block[:n, :r].T @ scores[pos : pos + n]
+        left = visible - pos if i + 1 < len(blocks) else 0
+        if left and (filled < _GROUP_ROWS or left < _GROUP_ROWS // 2):
+            continue  # a short remainder joins this group rather than forming its own
+        scores = buf[:filled]
+        if n_queries > 1 and pos - 1 > first_pos:  # some of these keys are future for some rows
+            key_pos = np.arange(pos - filled, pos)
+            scores[key_pos[:, None] > q_pos[None, :]] = -np.inf
+        group_max = scores.max(axis=0)
+        if run_max is None:  # the first group holds position 0: finite for every query
+            run_max = group_max
+        else:
+            new_max = np.maximum(run_max, group_max)
+            rescale = np.exp(run_max - new_max)
+            ctx *= rescale
+            denom *= rescale
+            run_max = new_max
+        scores -= run_max
+        np.exp(scores, out=scores)
+        denom += scores.sum(axis=0)
+        for rows, off, cnt in group:
+            np.matmul(rows[:, :r].T, scores[off : off + cnt], out=part)
+            ctx += part
+        group.clear()
+        filled = 0
+    ctx /= denom
     return ctx.T
