@@ -78,7 +78,7 @@ def _attend(
     ~``_GROUP_ROWS`` rows gets its scores, exponentials and context contribution while it is
     still in the core's L2, instead of a scores pass and a second context pass that reads
     the whole cache from memory again. Measured A/B here: 3-4% less CPU at 4K and 32K
-    tokens, even at 512; the two skinny GEMMs per group are the rest (~20 GFLOP/s against
+    tokens, about even at 512; the two skinny GEMMs per group are the rest (~20 GFLOP/s against
     ~36 for a square sgemm). The softmax denominator divides the [r, n*h] context once at
     the end, not the [visible, n*h] weights.
 

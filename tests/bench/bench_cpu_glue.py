@@ -16,12 +16,41 @@ minimum of the process CPU time (the machine is shared, so the minimum is the be
 of the cost itself), and the median wall time. BLAS runs single-threaded unless
 OPENBLAS_NUM_THREADS is set, so CPU time is the cost on one core.
 
-Floors worth knowing when reading the figures: the KDA states are 18 x 1 MB (fp32, as in
-transformers), so every decode step streams them at least twice (the reads and the update);
-one in-place numpy pass over all 18 costs ~3.6 ms on this host, and the numpy form takes
-about four passes (a fused compiled kernel would be the next step). Absorbed MLA costs
-16 x (576 + 512) multiply-adds per cached token per layer: 0.86 GFLOP per token at 4K,
-~28 ms at this host's ~31 GFLOP/s single-core sgemm peak.
+Figures on this host (2 shared Zen-1 cores, load average ~2.5; ``--tokens 30``, CPU ms per
+token, median; KDA / MLA / routing / total):
+
+    context   before (issue 2)            now
+    512       15.7 / 6.8 / 2.0 / 24.5     10.2 / 6.5 / 1.2 / 18.0
+    4K        18.1 / 46.2 / 2.1 / 66.6     9.9 / 43.1 / 1.2 / 54.6
+    32K       18.0 / 363 / 2.1 / 384      10.7 / 338 / 1.2 / 349
+
+With OPENBLAS_NUM_THREADS=2 the wall time gets far *worse* here (median 195 / 220 / 1034 ms):
+the BLAS threads spin on a core other processes want, and these GEMMs are too small to
+split. Keep the glue on one BLAS thread unless a board measurement says otherwise.
+
+Floors (``--floors`` measures them): the targets (<= 5 ms at 512, <= 15 ms at 4K) are below
+what this host can do with float32 numpy/BLAS.
+
+- MLA is compute-bound: absorbed attention costs 16 x (576 + 512) multiply-adds per cached
+  token per layer, 0.107 / 0.856 / 6.85 GFLOP per token at 512 / 4K / 32K. One core's sgemm
+  peak is ~36 GFLOP/s (1024^3); the 16-column block products reach ~23. So MLA alone needs
+  >= 23.6 ms at 4K even at the square-GEMM peak (36.9 ms at the block-shape rate; 43 ms
+  measured, the rest being the softmax: np.exp runs at ~4 ns per float32 here and a token
+  at 4K needs 96 x 4096 of them). At 512 MLA needs >= 3.0 ms at peak, 4.6 ms at the
+  block-shape rate. onnxruntime's MLAS GEMM was measured no faster (~20 GFLOP/s) for the
+  same shapes, and the block size (256 to 4096 rows, contiguous) changes nothing.
+- KDA is memory-bound: the 18 states are 18 MB of float32 (as in transformers), larger
+  than the L3, so a token must stream them at least once: one read pass costs ~1.9 ms;
+  both reads as one batched numpy matmul ~4.4 ms (16 small GEMMs per layer, packing
+  overhead). The correction is queued and applied as a rank-16 product every 16 tokens,
+  so the per-token update pass is gone (see ``RecurrentState``). The rest is the conv +
+  SiLU (~1.8 ms: 18 x 6144 exps), the queued-correction reads (~1 ms) and the row folds.
+  The benchmark's decays (median factor 0.08 per token, every channel) force frequent folds;
+  real KDA decays are milder for most channels.
+- So at 512 the sum of the hard floors (MLA at the sgemm peak + one KDA read pass) is
+  ~5 ms with zero overhead: the 5 ms target needs a compiled fused kernel (one pass per
+  KDA head with both reads and the rank-1 update while the 64 KB head state is in L1/L2;
+  a 16-column MLA micro-kernel without packing) or the board's own figures.
 """
 
 from __future__ import annotations
@@ -121,18 +150,64 @@ class Glue:
             self.cpu[key].append((cb - ca) * 1e3)
 
 
+def _median_cpu_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        fn()
+        times.append((time.process_time() - c0) * 1e3)
+    return statistics.median(times)
+
+
+def floors(rng: np.random.Generator) -> None:
+    """Measure what bounds the figures from below on this host (one core, CPU ms)."""
+    f32 = np.float32
+    states = [rng.standard_normal((H, DK, DK)).astype(f32) for _ in range(KDA_LAYERS)]
+    x = rng.standard_normal((H, 2, DK)).astype(f32)
+    one_pass = _median_cpu_ms(lambda: [s.sum() for s in states], 21)
+    reads = _median_cpu_ms(lambda: [np.matmul(x, s) for s in states], 21)
+    print(f"KDA: one read pass over the {KDA_LAYERS} states (np.sum): {one_pass:.2f} ms/token")
+    print(f"KDA: both reads, batched [H,2,d]x[H,d,d] matmul x {KDA_LAYERS}: {reads:.2f} ms/token")
+    square = rng.standard_normal((1024, 1024)).astype(f32)
+    peak = 2 * 1024**3 / _median_cpu_ms(lambda: square @ square, 7) / 1e6
+    block = rng.standard_normal((4096, R + DR)).astype(f32)
+    q_t = rng.standard_normal((R + DR, H)).astype(f32)
+    p = rng.random((4096, H)).astype(f32)
+    blocks = [block[i : i + 256] for i in range(0, 4096, 256)]
+    ms_s = _median_cpu_ms(lambda: [b @ q_t for b in blocks], 21)
+    ms_c = _median_cpu_ms(lambda: [b[:, :R].T @ p[:256] for b in blocks], 21)
+    skinny_s = 2 * 4096 * (R + DR) * H / ms_s / 1e6
+    skinny_c = 2 * 4096 * R * H / ms_c / 1e6
+    print(f"sgemm, one core: square 1024^3 {peak:.1f} GFLOP/s; MLA block shapes: scores "
+          f"[256x576]x[576x16] {skinny_s:.1f}, context [512x256]x[256x16] {skinny_c:.1f}")
+    skinny = 2 / (1 / skinny_s + 1 / skinny_c)
+    for ctx in (512, 4096, 32768):
+        gflop = MLA_LAYERS * 2 * H * (2 * R + DR) * ctx / 1e9
+        print(f"MLA at {ctx:>5}: {gflop:.3f} GFLOP/token -> {gflop / peak * 1e3:6.1f} ms at the "
+              f"square-sgemm peak, {gflop / skinny * 1e3:6.1f} ms at the block-shape rate")
+    big = rng.standard_normal(1 << 20).astype(f32)
+    exp_ns = _median_cpu_ms(lambda: np.exp(big), 11) * 1e6 / big.size
+    print(f"np.exp float32: {exp_ns:.2f} ns/element (MLA softmax: {MLA_LAYERS * H} exps per "
+          f"cached token)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=30, help="decode steps per context")
     ap.add_argument("--contexts", default="512,4096,32768")
+    ap.add_argument("--floors", action="store_true", help="only measure the floors")
     args = ap.parse_args()
     cfg = real_config()
     assert cfg.kda_layers.__len__() == KDA_LAYERS and len(cfg.mla_layers) == MLA_LAYERS
     rng = np.random.default_rng(0)
     print(
-        f"numpy {np.__version__}, {os.cpu_count()} CPUs, load average "
+        f"numpy {np.__version__}, {os.cpu_count()} CPUs, OPENBLAS_NUM_THREADS="
+        f"{os.environ['OPENBLAS_NUM_THREADS']}, load average "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
+    if args.floors:
+        floors(rng)
+        return
     print(
         f"{'context':>8} | CPU ms/token, median: {'KDA':>6} {'MLA':>7} {'route':>6} {'total':>7}"
         f" | total min | wall median"
