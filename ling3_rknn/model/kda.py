@@ -130,7 +130,7 @@ class RecurrentState:
             factor = np.where(small, self.scale, np.float32(1.0))
             self.body *= factor[:, :, None]
             self._keys[:, :p] *= factor[:, None, :]
-            self.scale /= factor
+            np.copyto(self.scale, np.float32(1.0), where=small)  # a scale may be exactly 0
             return
         rows = np.nonzero(small)
         factor = self.scale[rows][:, None]
