@@ -46,7 +46,11 @@ what this host can do with float32 numpy/BLAS.
   so the per-token update pass is gone (see ``RecurrentState``). The rest is the conv +
   SiLU (~1.8 ms: 18 x 6144 exps), the queued-correction reads (~1 ms) and the row folds.
   The benchmark's decays (median factor 0.08 per token, every channel) force frequent folds;
-  real KDA decays are milder for most channels.
+  real KDA decays are milder for most channels. Measured and rejected: the conv + SiLU +
+  q/k norms + decay as one onnxruntime graph per layer (3.4-3.6 ms/token against numpy's
+  3.0: ~20 us per run() eats the fusion gain); numexpr for the SiLU (73 us against 33 for
+  6144 values: its per-call setup dominates at this size); queue depths 8 / 16 / 32 (equal
+  within noise).
 - So at 512 the sum of the hard floors (MLA at the sgemm peak + one KDA read pass) is
   ~5 ms with zero overhead: the 5 ms target needs a compiled fused kernel (one pass per
   KDA head with both reads and the rank-1 update while the 64 KB head state is in L1/L2;
