@@ -8,8 +8,9 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ling3_rknn.chat import new_tool_call_id
 from ling3_rknn.engine.api import Usage
-from ling3_rknn.server.completion import ToolCallOut, new_tool_call_id
+from ling3_rknn.server.completion import ToolCallOut
 from ling3_rknn.server.responses import ChunkFactory, MessageBuilder
 from ling3_rknn.server.sse import encode_event
 

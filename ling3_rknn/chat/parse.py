@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import uuid
+import secrets
+import string
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,8 +22,13 @@ def parse_assistant(
     return parser.result()
 
 
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
 def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    """``call_`` + 24 random alphanumerics: unique, and accepted by every client we know
+    (some want only alphanumerics after the prefix)."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 def assistant_message(parsed: ParsedMessage, ids: Sequence[str] | None = None) -> dict:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import secrets
-import string
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +33,6 @@ from ling3_rknn.server.validate import ChatRequest
 # The model sometimes spells its end-of-turn marker as ordinary text tokens instead of the
 # control token; treating the text as a stop string ends the turn either way.
 END_OF_TURN_TEXT = "<|role_end|>"
-_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def new_tool_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 @dataclass(frozen=True)
@@ -210,7 +203,7 @@ class Completion:
                 out.append(
                     ToolCallOut(
                         index=self._calls,
-                        id=new_tool_call_id(),
+                        id=chat.new_tool_call_id(),
                         name=item.call.name,
                         arguments=json.dumps(item.call.arguments, ensure_ascii=False),
                     )
