@@ -116,98 +116,115 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 
 # --------------------------------------------------------------------------- stages
-def _build_stage(w: CheckpointWeights, name: str, wdtype: type) -> StageGraph:
+def _build_stage(w: CheckpointWeights, name: str, wdtype: type,
+                 external: Path | None = None) -> StageGraph:
     cfg = w.cfg
     if name == "final":
-        return final_graph(name, w.final(), cfg, wdtype)
+        return final_graph(name, w.final(), cfg, wdtype, external)
     _, idx, role = name.split(".")
     i = int(idx)
     kda = cfg.layer_kinds[i] == "kda"
     if role == "in":
-        return (kda_input_graph(name, w.kda_input(i), cfg, wdtype) if kda
-                else mla_input_graph(name, w.mla_input(i), cfg, wdtype))
+        return (kda_input_graph(name, w.kda_input(i), cfg, wdtype, external) if kda
+                else mla_input_graph(name, w.mla_input(i), cfg, wdtype, external))
     out = w.output(i)
-    return (kda_output_graph(name, out, cfg, wdtype) if kda
-            else mla_output_graph(name, out, cfg, wdtype))
+    return (kda_output_graph(name, out, cfg, wdtype, external) if kda
+            else mla_output_graph(name, out, cfg, wdtype, external))
 
 
-def _weight_bytes(model: onnx.ModelProto, per_value: int) -> int:
+def _weight_count(model: onnx.ModelProto) -> int:
     return sum(int(np.prod(t.dims)) for t in model.graph.initializer
-               if t.data_type == onnx.TensorProto.FLOAT) * per_value
+               if t.data_type == onnx.TensorProto.FLOAT)
+
+
+GraphFactory = Callable[[Path | None], StageGraph]
 
 
 class _StageWriter:
-    """Writes one stage: the ONNX twin (QDQ for w8a8) and, for rk3588, its ``.rknn``."""
+    """Writes one stage: the ONNX twin (QDQ for w8a8) and, for rk3588, its ``.rknn``.
+
+    Large weights go to ``<stage>.onnx.data`` as the graph is built (GraphBuilder's
+    external data), so peak memory stays near one copy of the largest weight.
+    """
 
     def __init__(self, writer: BundleWriter, opts: ConvertOptions,
                  calib: CalibrationData | None) -> None:
         self.writer, self.opts, self.calib = writer, opts, calib
         self.quant = "fp32" if opts.target == "cpu" else opts.quant
 
-    def write(self, graph: StageGraph) -> dict[str, Any]:
-        o, rel = self.opts, f"stages/{graph.name}"
+    def write(self, name: str, build: GraphFactory) -> dict[str, Any]:
+        o, rel = self.opts, f"stages/{name}"
+        onnx_rel, rknn_rel = rel + ".onnx", (None if o.target == "cpu" else rel + ".rknn")
+        done = self.writer.done(onnx_rel) and (rknn_rel is None or self.writer.done(rknn_rel))
+        # the twin of a w8a8 stage is derived; the fp32 source graph is built aside
+        src_dir = "build" if (self.quant == "w8a8" or done) else "stages"
+        src = self.writer.path(f"{src_dir}/{name}.onnx")
+        data = src.with_name(src.name + ".data")
+        data.unlink(missing_ok=True)
+        graph = build(data)
         chunk_sets = graph.shape_sets((o.chunk,))
-        spec = {"onnx": rel + ".onnx", "rknn": None, "quant": self.quant,
+        per_weight = {"fp32": 4, "fp16": 2, "w8a8": 1}[self.quant]
+        spec = {"onnx": onnx_rel, "rknn": rknn_rel, "quant": self.quant,
                 "inputs": list(graph.inputs), "outputs": list(graph.outputs),
                 "shape_sets": [[list(s) for s in group] for group in chunk_sets],
-                "input_dtype": "float32"}
-        if o.target == "cpu":
-            if not self.writer.done(spec["onnx"]):
-                self.writer.write_bytes(spec["onnx"], graph.model.SerializeToString())
-            spec["nbytes"] = _weight_bytes(graph.model, 4)
-            return spec
-        spec["rknn"] = rel + ".rknn"
-        samples = None
-        if self.calib is not None:
-            parts = graph.name.split(".")
-            samples = (self.calib.expert_samples(int(parts[1]), int(parts[3]),
-                                                 o.calibration_samples)
-                       if len(parts) == 4 and parts[2] == "expert"
-                       else self.calib.samples(graph.name, graph.inputs,
-                                               o.calibration_samples))
-        if not (self.writer.done(spec["rknn"]) and self.writer.done(spec["onnx"])):
-            self._write_rknn(graph, spec, chunk_sets, samples)
-            self._write_twin(graph, spec, samples)
-        spec["nbytes"] = (self.writer.path(spec["rknn"]).stat().st_size if o.build_rknn
-                          else _weight_bytes(graph.model, 2 if self.quant == "fp16" else 1))
+                "input_dtype": "float32", "nbytes": _weight_count(graph.model) * per_weight}
+        try:
+            if not done:
+                onnx.save(graph.model, str(src))
+                onnx.checker.check_model(str(src))
+                self._write_rknn(graph, src, rknn_rel, chunk_sets, name)
+                self._write_twin(graph, src, onnx_rel, name)
+        finally:
+            if src_dir == "build":
+                src.unlink(missing_ok=True)
+                data.unlink(missing_ok=True)
+        if rknn_rel is not None and o.build_rknn:
+            spec["nbytes"] = self.writer.path(rknn_rel).stat().st_size
         return spec
 
-    def _write_rknn(self, graph: StageGraph, spec: dict[str, Any], shape_sets: Any,
-                    samples: dict[str, np.ndarray] | None) -> None:
-        path = self.writer.path(spec["rknn"])
+    def _samples(self, name: str, inputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        if self.calib is None:
+            raise ConvertError("w8a8 needs calibration samples")
+        parts, count = name.split("."), self.opts.calibration_samples
+        if len(parts) == 4 and parts[2] == "expert":
+            return self.calib.expert_samples(int(parts[1]), int(parts[3]), count)
+        return self.calib.samples(name, inputs, count)
+
+    def _write_rknn(self, graph: StageGraph, src: Path, rknn_rel: str | None,
+                    shape_sets: Any, name: str) -> None:
+        if rknn_rel is None:
+            return
+        path = self.writer.path(rknn_rel)
         if not self.opts.build_rknn:
             digest = hashlib.sha256(graph.model.SerializeToString()).hexdigest()
-            path.write_bytes(PLACEHOLDER_MAGIC + f"{graph.name} {self.quant} onnx-sha256 "
+            path.write_bytes(PLACEHOLDER_MAGIC + f"{name} {self.quant} onnx-sha256 "
                              f"{digest}\n".encode())
-            self.writer.record(spec["rknn"])
+            self.writer.record(rknn_rel)
             return
         from convert.rknn_toolkit import build_rknn
 
-        src = self.writer.path(f"build/{graph.name}.onnx")
-        src.write_bytes(graph.model.SerializeToString())
-        try:
-            result = build_rknn(src, path, self.quant,
-                                calibration=samples if self.quant == "w8a8" else None,
-                                dynamic_input=shape_sets)
-        finally:
-            src.unlink(missing_ok=True)
+        result = build_rknn(src, path, self.quant,
+                            calibration=(self._samples(name, graph.inputs)
+                                         if self.quant == "w8a8" else None),
+                            dynamic_input=shape_sets)
         if result.cpu_ops:
-            log.warning("%s: ops left on the board CPU: %s", graph.name,
-                        ", ".join(result.cpu_ops))
-        self.writer.record(spec["rknn"])
+            log.warning("%s: ops left on the board CPU: %s", name, ", ".join(result.cpu_ops))
+        self.writer.record(rknn_rel)
 
-    def _write_twin(self, graph: StageGraph, spec: dict[str, Any],
-                    samples: dict[str, np.ndarray] | None) -> None:
-        # fp16: the twin is the very graph the .rknn was compiled from (DESIGN.md). w8a8: the
-        # same graph with the int8 quantization simulated, so host runs show its error.
-        model = graph.model
+    def _write_twin(self, graph: StageGraph, src: Path, onnx_rel: str, name: str) -> None:
+        # fp16/fp32: the twin is the very graph the .rknn was compiled from (DESIGN.md).
+        # w8a8: the same graph with the int8 quantization simulated, so host runs show
+        # its error.
         if self.quant == "w8a8":
             from convert.w8a8_twin import quantize_twin
 
-            if samples is None:
-                raise ConvertError("w8a8 needs calibration samples")
-            model = quantize_twin(model, samples)
-        self.writer.write_bytes(spec["onnx"], model.SerializeToString())
+            model = quantize_twin(src, self._samples(name, graph.inputs))
+            self.writer.write_bytes(onnx_rel, model.SerializeToString())
+            return
+        data = src.with_name(src.name + ".data")
+        if data.is_file():
+            self.writer.record(onnx_rel + ".data")
+        self.writer.record(onnx_rel)
 
 
 # --------------------------------------------------------------------------- experts
@@ -382,7 +399,8 @@ def convert(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         total = len(names) + len(moe_layers) + 1
         with _progress(total, "convert", opts.progress) as bar:
             for name in names:
-                stages[name] = sw.write(_build_stage(w, name, wdtype))
+                stages[name] = sw.write(
+                    name, lambda ext, name=name: _build_stage(w, name, wdtype, ext))
                 report.stage_bytes[name] = stages[name]["nbytes"]
                 if on_stage is not None:
                     on_stage(name)
@@ -395,7 +413,9 @@ def convert(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                     for e in ids:
                         gate_up, down = w.expert(layer, e)
                         name = f"layer.{layer}.expert.{e}"
-                        stages[name] = sw.write(expert_graph(name, gate_up, down, cfg, wdtype))
+                        stages[name] = sw.write(
+                            name, lambda ext, name=name, gu=gate_up, dn=down:
+                            expert_graph(name, gu, dn, cfg, wdtype, ext))
                         report.stage_bytes[name] = stages[name]["nbytes"]
             experts_layers = {}
             for layer in moe_layers:

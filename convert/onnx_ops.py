@@ -13,6 +13,7 @@ static shapes ``[1, T, D]``: RKNN's dynamic shapes are a fixed list anyway.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -22,15 +23,24 @@ OPSET = 17  # ReduceMean takes ``axes`` as an attribute up to opset 17; rknn acc
 IR_VERSION = 8  # readable by onnx<=1.18 in the rknn-toolkit2 venv
 
 
+EXTERNAL_MIN_BYTES = 1 << 20  # smaller initializers stay inside the .onnx
+_EXTERNAL_ALIGN = 4096  # page-aligned, so onnxruntime can map the weights
+
 _CLONABLE = frozenset({"Add", "Sub", "Mul", "Div", "Sigmoid"})
 
 
 class GraphBuilder:
     """Accumulates nodes/initializers; each op returns the name of its output."""
 
-    def __init__(self, name: str, weight_dtype: type = np.float32) -> None:
+    def __init__(self, name: str, weight_dtype: type = np.float32,
+                 external_data: Path | None = None) -> None:
+        """``external_data``: file (next to where the model will be saved) that receives
+        every large initializer as it is added, so a vocabulary-sized lm_head is never held
+        twice in memory nor copied by shape inference; created only when needed."""
         self.name = name
         self.weight_dtype = weight_dtype
+        self.external_data = external_data
+        self._ext_offset = 0
         self._nodes: list[onnx.NodeProto] = []
         self._inits: list[onnx.TensorProto] = []
         self._inputs: list[onnx.ValueInfoProto] = []
@@ -84,8 +94,32 @@ class GraphBuilder:
 
     def constant(self, name: str, array: np.ndarray) -> str:
         self._claim(name)
-        self._inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        if self.external_data is not None and array.nbytes >= EXTERNAL_MIN_BYTES:
+            self._inits.append(self._external(name, array))
+        else:
+            self._inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
+
+    def _external(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+        """Append ``array`` (any strides, e.g. a transposed view) in C order, a few MB at a
+        time, and return the TensorProto pointing at it."""
+        assert self.external_data is not None
+        offset = -(-self._ext_offset // _EXTERNAL_ALIGN) * _EXTERNAL_ALIGN
+        rows = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
+        step = max(1, (1 << 22) // max(1, rows.shape[1] * array.itemsize))
+        with open(self.external_data, "ab") as f:
+            f.write(b"\0" * (offset - self._ext_offset))
+            for start in range(0, rows.shape[0], step):
+                f.write(np.ascontiguousarray(rows[start:start + step]).tobytes())
+        self._ext_offset = offset + array.nbytes
+        t = onnx.TensorProto(name=name, dims=list(array.shape),
+                             data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                             data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", self.external_data.name), ("offset", str(offset)),
+                           ("length", str(array.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        return t
 
     def weight(self, name: str, array: np.ndarray) -> str:
         return self.constant(name, np.asarray(array, dtype=self.weight_dtype))
@@ -107,7 +141,10 @@ class GraphBuilder:
         for out in model.graph.output:
             if not out.type.tensor_type.HasField("shape"):
                 raise ValueError(f"cannot infer the shape of output {out.name!r}")
-        onnx.checker.check_model(model)
+        if self._ext_offset == 0:
+            onnx.checker.check_model(model)
+        # else: the checker resolves external data relative to the saved file; the caller
+        # runs ``onnx.checker.check_model(path)`` after saving next to the data
         return model
 
     # -- ops ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ Stage contract (the numpy stages give the same numbers; the runtime adapts in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -68,10 +69,11 @@ def _rows(w: np.ndarray, start: int, stop: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------- input stages
 def kda_input_graph(name: str, w: KdaInputWeights, cfg: ModelConfig,
-                    weight_dtype: type = np.float32) -> StageGraph:
+                    weight_dtype: type = np.float32, external: Path | None = None
+                ) -> StageGraph:
     h, d = cfg.num_attention_heads, cfg.kda_head_dim
     p, dim = h * d, cfg.hidden_size
-    b = GraphBuilder(name, weight_dtype)
+    b = GraphBuilder(name, weight_dtype, external)
     x = b.input("x", [1, T, dim])
     u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
     qkv = b.linear(u, _rows(w.proj, 0, 3 * p), "qkv")
@@ -92,10 +94,11 @@ def kda_input_graph(name: str, w: KdaInputWeights, cfg: ModelConfig,
 
 
 def mla_input_graph(name: str, w: MlaInputWeights, cfg: ModelConfig,
-                    weight_dtype: type = np.float32) -> StageGraph:
+                    weight_dtype: type = np.float32, external: Path | None = None
+                ) -> StageGraph:
     h, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     r, dim, dqk = cfg.kv_lora_rank, cfg.hidden_size, cfg.qk_head_dim
-    b = GraphBuilder(name, weight_dtype)
+    b = GraphBuilder(name, weight_dtype, external)
     x = b.input("x", [1, T, dim])
     u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
     q_width = w.proj.shape[0] - r - dr - h
@@ -126,9 +129,10 @@ def mla_input_graph(name: str, w: MlaInputWeights, cfg: ModelConfig,
 
 # --------------------------------------------------------------------------- output stages
 def kda_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
-                     weight_dtype: type = np.float32) -> StageGraph:
+                     weight_dtype: type = np.float32, external: Path | None = None
+                ) -> StageGraph:
     h, d, dim = cfg.num_attention_heads, cfg.kda_head_dim, cfg.hidden_size
-    b = GraphBuilder(name, weight_dtype)
+    b = GraphBuilder(name, weight_dtype, external)
     x = b.input("x", [1, T, dim])
     core = b.reshape(b.input("core", [1, T, h * d]), [0, 0, h, d], "core.shape")
     gate = b.reshape(b.input("out_gate", [1, T, h * d]), [0, 0, h, d], "gate.shape")
@@ -138,9 +142,10 @@ def kda_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
 
 
 def mla_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
-                     weight_dtype: type = np.float32) -> StageGraph:
+                     weight_dtype: type = np.float32, external: Path | None = None
+                ) -> StageGraph:
     h, r, dv, dim = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.v_head_dim, cfg.hidden_size
-    b = GraphBuilder(name, weight_dtype)
+    b = GraphBuilder(name, weight_dtype, external)
     x = b.input("x", [1, T, dim])
     ctx = b.reshape(b.input("ctx", [1, T, h * r]), [0, 0, h, r], "ctx.shape")
     gate = b.input("gate", [1, T, h])
@@ -178,17 +183,19 @@ def _output_tail(b: GraphBuilder, name: str, inputs: dict[str, int], x: str, y: 
 
 # --------------------------------------------------------------------------- the rest
 def final_graph(name: str, w: FinalWeights, cfg: ModelConfig,
-                weight_dtype: type = np.float32) -> StageGraph:
-    b = GraphBuilder(name, weight_dtype)
+                weight_dtype: type = np.float32, external: Path | None = None
+                ) -> StageGraph:
+    b = GraphBuilder(name, weight_dtype, external)
     x = b.input("x", [1, T, cfg.hidden_size])
     logits = b.linear(b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm"), w.lm_head, "lm_head")
     return _finish(b, name, {"x": cfg.hidden_size}, {"logits": logits})
 
 
 def expert_graph(name: str, gate_up: np.ndarray, down: np.ndarray, cfg: ModelConfig,
-                 weight_dtype: type = np.float32) -> StageGraph:
+                 weight_dtype: type = np.float32, external: Path | None = None
+                ) -> StageGraph:
     """One routed expert for the NPU (``--npu-budget``): ``y = swiglu(x)``."""
-    b = GraphBuilder(name, weight_dtype)
+    b = GraphBuilder(name, weight_dtype, external)
     x = b.input("x", [1, T, cfg.hidden_size])
     inter = gate_up.shape[0] // 2
     y = b.swiglu_mlp(x, gate_up[:inter], gate_up[inter:], down, "expert")

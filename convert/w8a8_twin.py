@@ -30,19 +30,20 @@ class _Reader:
         return next(self._it, None)
 
 
-def quantize_twin(model: onnx.ModelProto, samples: Mapping[str, np.ndarray],
+def quantize_twin(source: str | Path, samples: Mapping[str, np.ndarray],
                   exclude_prefixes: tuple[str, ...] = ()) -> onnx.ModelProto:
     """QDQ version of ``model``: int8 per-channel weights, uint8 per-tensor activations;
-    MatMuls whose weight name starts with one of ``exclude_prefixes`` stay float."""
+    MatMuls whose weight name starts with one of ``exclude_prefixes`` stay float.
+    ``source``: the fp32 graph's path (its external data, if any, next to it)."""
+    model = onnx.load(str(source), load_external_data=False)
     excluded = [n.name for n in model.graph.node if n.op_type == "MatMul" and any(
         i.startswith(exclude_prefixes) for i in n.input)] if exclude_prefixes else []
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     with tempfile.TemporaryDirectory(prefix="ling3-w8a8-") as tmp:
-        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "w8a8.onnx"
-        src.write_bytes(model.SerializeToString())
+        dst = Path(tmp) / "w8a8.onnx"
         quantize_static(
-            str(src), str(dst), _Reader(samples),
+            str(source), str(dst), _Reader(samples),
             quant_format=QuantFormat.QDQ,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
