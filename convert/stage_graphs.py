@@ -9,7 +9,8 @@ for decode and T = chunk for prefill.
 Stage contract (the numpy stages give the same numbers; the runtime adapts in
 ``ling3_rknn.model.bundle_stages``):
 
-* ``layer.<i>.in`` (KDA): ``x`` -> ``qkv``, ``log_decay``, ``beta``, ``out_gate``;
+* ``layer.<i>.in`` (KDA): ``x`` -> ``qkv``, ``forget_logit`` (safe gate; the CPU applies
+  ``lb * sigmoid``) or ``log_decay``, ``beta``, ``out_gate``;
   (MLA): ``x`` -> ``q_latent``, ``q_rope``, ``latent``, ``k_rope``, ``gate``.
 * ``layer.<i>.out`` (KDA): ``x, core, out_gate``; (MLA): ``x, ctx, gate`` ->
   ``attn_delta`` plus ``ffn_delta`` (dense FFN layer) or ``moe_input``, ``shared``,
@@ -82,15 +83,16 @@ def kda_input_graph(name: str, w: KdaInputWeights, cfg: ModelConfig,
     beta = b.sigmoid(b.linear(u, _rows(w.proj, 5 * p, 5 * p + h), "b"))
     rate = np.repeat(np.exp(w.a_log.astype(np.float64)), d).astype(np.float32)  # per channel
     if cfg.kda_safe_gate:
-        # lb * sigmoid(A (f + dt_bias)), with A (f + dt) folded into one scale + shift
-        z = b.scale_shift(f, "forget", scale=rate, shift=rate * w.dt_bias)
-        decay = b.scale_shift(b.sigmoid(z), "lower_bound",
-                              scale=np.array(cfg.kda_lower_bound, np.float32))
+        # The forget logit z = A (f + dt_bias) (one folded scale + shift); the CPU applies
+        # g = lb * sigmoid(z) (stages.safe_gate_log_decay, whose docstring says why).
+        decay_name = "forget_logit"
+        decay = b.scale_shift(f, "forget", scale=rate, shift=rate * w.dt_bias)
     else:
+        decay_name = "log_decay"
         sp = b.node("Softplus", [b.scale_shift(f, "forget", shift=w.dt_bias)])
         decay = b.scale_shift(sp, "neg_rate", scale=-rate)
     return _finish(b, name, {"x": dim},
-                   {"qkv": qkv, "log_decay": decay, "beta": beta, "out_gate": g})
+                   {"qkv": qkv, decay_name: decay, "beta": beta, "out_gate": g})
 
 
 def mla_input_graph(name: str, w: MlaInputWeights, cfg: ModelConfig,

@@ -28,6 +28,7 @@ from ling3_rknn.model.stages import (
     kda_output_stage,
     mla_input_stage,
     mla_output_stage,
+    safe_gate_log_decay,
     swiglu,
 )
 from ling3_rknn.model.weights import CheckpointWeights
@@ -68,6 +69,9 @@ def test_layer_stages_match_numpy(weights: CheckpointWeights, t: int) -> None:
         if kind == "kda":
             in_w = weights.kda_input(i)
             got = run(kda_input_graph("s", in_w, cfg), x)
+            if cfg.kda_safe_gate:  # the CPU half of the safe gate
+                got["log_decay"] = safe_gate_log_decay(got.pop("forget_logit"),
+                                                       cfg.kda_lower_bound)
             ref = kda_input_stage(x, in_w, num_heads=h, head_dim=cfg.kda_head_dim,
                                   eps=cfg.rms_norm_eps, safe_gate=cfg.kda_safe_gate,
                                   lower_bound=cfg.kda_lower_bound)

@@ -35,6 +35,7 @@ from convert.calibration import calibrate
 from convert.converter import ConvertOptions, _build_stage, convert, open_checkpoint
 from convert.rknn_toolkit import build_rknn, rknn_available
 from ling3_rknn.model import Model, NumpyStages
+from ling3_rknn.model.stages import safe_gate_log_decay
 
 pytestmark = [
     pytest.mark.simulator,
@@ -109,6 +110,9 @@ def test_every_stage_in_simulator(setup, quant, tmp_path) -> None:
                 x = {k: v[s, 0] for k, v in feeds.items()}
                 expected = numpy_outputs(ref, name, x)
                 got = {k: v[s, 0] for k, v in outs.items()}
+                if "forget_logit" in got:  # the CPU half of the KDA safe gate
+                    got["log_decay"] = safe_gate_log_decay(got.pop("forget_logit"),
+                                                           ref._cfg.kda_lower_bound)
                 if "__dense_hidden__" in expected:
                     got = {"__dense_hidden__": x["x"] + got["attn_delta"] + got["ffn_delta"]}
                 for k, v in expected.items():

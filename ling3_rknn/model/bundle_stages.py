@@ -21,7 +21,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..npu import ExpertExecutor, GraphExecutor
 from .safetensors_file import SafetensorsFile
-from .stages import KdaInputs, LayerOutput, MlaInputs
+from .stages import KdaInputs, LayerOutput, MlaInputs, safe_gate_log_decay
 
 
 class GraphStages:
@@ -69,7 +69,9 @@ class GraphStages:
         c = self._cfg
         o = self.run(f"layer.{layer}.in", x)
         shape = (x.shape[0], c.num_attention_heads, c.kda_head_dim)
-        return KdaInputs(qkv=o["qkv"], log_decay=o["log_decay"].reshape(shape),
+        decay = (safe_gate_log_decay(o["forget_logit"], c.kda_lower_bound)
+                 if "forget_logit" in o else o["log_decay"])
+        return KdaInputs(qkv=o["qkv"], log_decay=decay.reshape(shape),
                          beta=o["beta"], out_gate=o["out_gate"].reshape(shape))
 
     def mla_input(self, layer: int, x: np.ndarray) -> MlaInputs:

@@ -44,6 +44,16 @@ def swiglu(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
     return (silu(h[..., :inter]) * h[..., inter:]) @ down.T
 
 
+def safe_gate_log_decay(forget_logit: np.ndarray, lower_bound: float) -> np.ndarray:
+    """KDA safe gate g = lb * sigmoid(z), z = exp(A_log) * (f + dt_bias): in (lb, 0).
+
+    Its own function because the NPU stage outputs z and the CPU applies this: as a w8a8
+    output, g itself would sit on a ~0.02 grid over (-5, 0), rounding the slow decays
+    (g near 0, long memory) that compound over every position.
+    """
+    return lower_bound * sigmoid(forget_logit)
+
+
 # --------------------------------------------------------------------------- weights
 @dataclass(frozen=True)
 class KdaInputWeights:
@@ -140,7 +150,9 @@ def kda_input_stage(
     f = y[:, 3 * p : 4 * p].reshape(t, num_heads, head_dim) + w.dt_bias.reshape(num_heads, head_dim)
     rate = np.exp(w.a_log)[None, :, None]
     # safe gate: lb * sigmoid(A f) in (lb, 0); otherwise -A * softplus(f).
-    log_decay = lower_bound * sigmoid(rate * f) if safe_gate else -rate * np.logaddexp(0.0, f)
+    log_decay = (
+        safe_gate_log_decay(rate * f, lower_bound) if safe_gate else -rate * np.logaddexp(0.0, f)
+    )
     return KdaInputs(
         qkv=y[:, : 3 * p],
         log_decay=log_decay.astype(np.float32, copy=False),
