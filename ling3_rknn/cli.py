@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -147,16 +149,42 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
     return options
 
 
-def _engine(model: Any, tokenizer: Any, options: dict[str, object]) -> object:
-    """Defaults that depend on the model: the served id and a context limit that fits the
-    board's memory unless ``--max-context`` says otherwise."""
-    from ling3_rknn.engine import Engine
+def _engine(
+    model: Any,
+    tokenizer: Any,
+    options: dict[str, object],
+    *,
+    generation_config: dict[str, Any] | None = None,
+    weights_identity: str | None = None,
+) -> object:
+    """Defaults that depend on the model: the served id, a context limit that fits the
+    board's memory unless ``--max-context`` says otherwise, the sampling defaults of the
+    model's generation config, and the weights identity that keeps persisted prefix-cache
+    files from ever being reused by other weights."""
+    from ling3_rknn.engine import Engine, defaults_from_generation_config
 
     options = dict(options)
+    if generation_config:
+        options["generation_defaults"] = defaults_from_generation_config(generation_config)
+    if weights_identity is not None:
+        options["weights_identity"] = weights_identity
     options.setdefault("model_id", DEFAULT_MODEL_ID)
     if "max_context" not in options:
         options["max_context"] = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     return Engine(model, tokenizer, **options)
+
+
+def _read_generation_config(path: Path) -> dict[str, Any] | None:
+    """An HF ``generation_config.json`` if the checkpoint has one (it is optional)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path.name}: not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name}: expected a JSON object")
+    return data
 
 
 def make_loader(args: argparse.Namespace) -> Callable[[], object]:
@@ -186,7 +214,12 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
 
             if not tokenizer_path.is_file():
                 raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
-            return _engine(Model.from_hf(hf_dir), Tokenizer.from_file(tokenizer_path), options)
+            return _engine(
+                Model.from_hf(hf_dir),
+                Tokenizer.from_file(tokenizer_path),
+                options,
+                generation_config=_read_generation_config(hf_dir / "generation_config.json"),
+            )
 
         return load_hf
     bundle_dir: Path = args.bundle
@@ -207,7 +240,15 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
                 "--hf DIR --tokenizer FILE"
             )
         tokenizer = Tokenizer.from_file(bundle.path(bundle.manifest.tokenizer))
-        return _engine(from_bundle(bundle.root), tokenizer, options)
+        # The manifest holds the sha256 of every file, so its own hash names the weights.
+        identity = hashlib.sha256((bundle.root / "manifest.json").read_bytes()).hexdigest()
+        return _engine(
+            from_bundle(bundle.root),
+            tokenizer,
+            options,
+            generation_config=bundle.manifest.generation_config,
+            weights_identity=f"bundle:{identity}",
+        )
 
     return load_bundle
 
