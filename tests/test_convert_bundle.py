@@ -63,14 +63,33 @@ def fp_bundle(request, tmp_path_factory) -> tuple[str, Path]:
                                       npu_budget=0)
 
 
-def greedy(model: Model, prompt: np.ndarray, steps: int) -> list[int]:
+def greedy(model: Model, prompt: np.ndarray, steps: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the logits row each one was chosen from."""
     state = model.new_state()
     logits = model.forward(prompt, state, last_only=True)
-    out = []
+    out, rows = [], []
     for _ in range(steps):
+        rows.append(logits[-1])
         out.append(int(np.argmax(logits[-1])))
         logits = model.forward([out[-1]], state)
-    return out
+    return out, np.stack(rows)
+
+
+def agreed_steps(got: list[int], want: list[int], want_logits: np.ndarray) -> int:
+    """Steps on which greedy ``got`` follows the reference ``want``.
+
+    Logits within TOL of the reference can only pick another token whose reference logit
+    is within 2 * TOL of the top one, so a divergence is allowed only at such a near-tie
+    (the random fixtures have top-2 margins down to 0.016, against 0.01 of tolerance),
+    and comparing stops there: the two continuations are different sequences.
+    """
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        if g != w:
+            lead = float(want_logits[i, w] - want_logits[i, g])
+            assert lead <= 2 * TOL, (f"step {i}: got token {g}, reference {w} leads it by "
+                                     f"{lead:.4f} > 2 * TOL (not a near-tie)")
+            return i
+    return min(len(got), len(want))
 
 
 def test_bundle_on_rknnlite_mock_matches_transformers(fp_bundle) -> None:
@@ -90,10 +109,17 @@ def test_bundle_on_rknnlite_mock_matches_transformers(fp_bundle) -> None:
     pieces += [model.forward([t], state) for t in ref["input_ids"][p:]]
     assert float(np.abs(np.concatenate(pieces) - ref["logits_incremental"]).max()) <= TOL
 
+    # Greedy decoding against transformers' generate() (20 tokens) and the float numpy
+    # model (32); near-ties of the reference are judged by agreed_steps.
     prompt, expected = ref["generate_prompt"], ref["generate_out"]
-    tokens = greedy(model, prompt, GREEDY_STEPS)
-    assert tokens[: len(expected) - len(prompt)] == expected[len(prompt):].tolist()
-    assert tokens == greedy(Model.from_hf(ORACLE_DIR / fixture), prompt, GREEDY_STEPS)
+    tokens, rows = greedy(model, prompt, GREEDY_STEPS)
+    hf = Model.from_hf(ORACLE_DIR / fixture)
+    # logits of the float model (== transformers to 1e-4) along transformers' own sequence
+    hf_rows = hf.forward(expected, hf.new_state())[len(prompt) - 1 : -1]
+    agreed_steps(tokens, expected[len(prompt):].tolist(), hf_rows)
+    float_tokens, float_rows = greedy(hf, prompt, GREEDY_STEPS)
+    n = agreed_steps(tokens, float_tokens, float_rows)
+    assert float(np.abs(rows[: n + 1] - float_rows[: n + 1]).max()) <= TOL
 
 
 def test_npu_experts_follow_the_plan(tmp_path) -> None:
