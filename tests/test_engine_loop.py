@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +63,32 @@ def make_engine(tok, answer_text="hello world", **kw) -> tuple[Engine, ScriptedM
     kw.setdefault("checkpoint_min_tokens", 0)
     engine = Engine(model, tok, model_id="test", max_context=kw.pop("max_context", 512), **kw)
     return engine, model
+
+
+class EntryGate(threading.Event):
+    """``ScriptedModel.gate`` that also says when the worker is waiting on it, so a test
+    knows the worker is inside ``forward`` instead of guessing with a sleep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.inside = False  # a thread is blocked in wait() right now
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.inside = True
+        self.entered.set()
+        try:
+            return super().wait(timeout)
+        finally:
+            self.inside = False
+
+
+async def until(predicate, timeout: float = 30.0) -> None:
+    """Poll ``predicate``; the timeout only guards against a hang, it times nothing."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 async def collect(engine: Engine, request: GenerationRequest):
@@ -137,15 +162,14 @@ async def test_typed_errors_before_the_first_event(tok):
 
 async def test_queue_is_fifo_and_bounded(tok):
     engine, model = make_engine(tok, max_queue=1)
-    model.gate = threading.Event()
+    model.gate = gate = EntryGate()
     with engine:
         first = engine.generate(GenerationRequest(prompt("one"), GREEDY))
         task1 = asyncio.ensure_future(anext(first))
-        await asyncio.sleep(0.2)  # the worker is now inside forward, blocked on the gate
+        assert await asyncio.to_thread(gate.entered.wait, 30)  # worker blocked in forward
         second = engine.generate(GenerationRequest(prompt("two"), GREEDY))
         task2 = asyncio.ensure_future(anext(second))
-        await asyncio.sleep(0.2)
-        assert engine.stats().queue_depth == 1
+        await until(lambda: engine.stats().queue_depth == 1)
         with pytest.raises(EngineBusy):
             await anext(engine.generate(GenerationRequest(prompt("three"), GREEDY)))
         model.gate.set()
@@ -167,11 +191,11 @@ async def test_cancel_stops_within_one_token_and_engine_stays_clean(tok):
     with engine:
         stream = engine.generate(GenerationRequest(prompt(), GREEDY))
         await anext(stream)
+        await stream.aclose()  # sets the job's cancel flag before it returns
         calls_at_cancel = len(model.calls)
-        await stream.aclose()
-        await asyncio.sleep(0.3)
-        assert len(model.calls) <= calls_at_cancel + 1
-        assert engine.stats().cancelled == 1
+        await until(lambda: engine.stats().cancelled == 1)
+        assert await engine.idle(30)
+        assert len(model.calls) <= calls_at_cancel + 1  # at most the forward in progress
         _deltas, fin = await collect(engine, GenerationRequest(prompt("x"), GREEDY))
         assert fin.text == long_answer
 
@@ -185,11 +209,12 @@ async def test_consumer_task_cancellation_also_cancels(tok):
                 pass
 
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.1)
+        await until(lambda: len(model.calls) >= 3)  # decoding
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.2)
+        await until(lambda: engine.stats().cancelled == 1)
+        assert await engine.idle(30)
         n = len(model.calls)
         await asyncio.sleep(0.2)
         assert len(model.calls) == n  # the worker stopped
@@ -225,22 +250,28 @@ async def test_nan_logits_fail_the_request_only(tok):
 
 
 async def test_event_loop_stays_responsive_while_the_model_computes(tok):
-    engine, _ = make_engine(tok, answer_text=" ".join(["hello"] * 10), delay=0.02)
+    """forward runs off the event loop: while it is blocked, the loop still runs other
+    coroutines (checked by order of events, not by timing, so CPU load cannot fail it)."""
+    engine, model = make_engine(tok, answer_text=" ".join(["hello"] * 10))
+    model.gate = gate = EntryGate()
     ticks = 0
 
     async def ticker():
         nonlocal ticks
         while True:
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0)
             ticks += 1
 
     with engine:
+        job = asyncio.ensure_future(collect(engine, GenerationRequest(prompt(), GREEDY)))
+        assert await asyncio.to_thread(gate.entered.wait, 30)
         t = asyncio.ensure_future(ticker())
-        start = time.perf_counter()
-        await collect(engine, GenerationRequest(prompt(), GREEDY))
-        elapsed = time.perf_counter() - start
+        await until(lambda: ticks >= 100)
+        assert gate.inside  # ... all while the worker was blocked inside forward
+        gate.set()
+        _, fin = await job
         t.cancel()
-    assert ticks >= 0.3 * elapsed / 0.005  # the loop kept running between tokens
+    assert fin.text == " ".join(["hello"] * 10)
 
 
 async def test_same_prompt_twice_evaluates_nothing_the_second_time(tok):
@@ -383,7 +414,7 @@ async def test_close_during_a_stream_fails_it_instead_of_hanging(tok):
             pass
 
     with pytest.raises(EngineFailure):
-        await asyncio.wait_for(drain(), 5)
+        await asyncio.wait_for(drain(), 30)  # hang guard only
 
 
 async def test_thinking_turn_round_trips_through_the_chat_layer(tok):
