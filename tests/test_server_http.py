@@ -420,7 +420,7 @@ async def test_engine_failure_non_stream_is_500(engine):
 # ---- cancellation, keep-alive, shutdown ---------------------------------------------------
 
 
-async def wait_for(predicate, timeout: float = 5.0) -> None:
+async def wait_for(predicate, timeout: float = 30.0) -> None:  # hang guard, not a timing
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
@@ -479,11 +479,31 @@ async def test_non_stream_disconnect_cancels_generation(engine):
         await wait_for(lambda: engine.cancelled == 1)
 
 
-async def test_keep_alive_comments_during_long_prefill(engine):
-    engine.push("</think>done", prefill_delay_s=0.5)
+async def test_keep_alive_comments_during_long_prefill():
+    """The prefill lasts until the client has seen two keep-alive comments (ordered by
+    events: a fixed prefill delay could pass before two pings on a starved CPU)."""
+    seen_pings = asyncio.Event()
+
+    class GatedPrefill(ScriptedEngine):
+        async def generate(self, request):
+            await seen_pings.wait()
+            async for event in super().generate(request):
+                yield event
+
+    engine = GatedPrefill()
+    engine.push("</think>done")
     config = AppConfig(header_wait_s=0.05, keep_alive_s=0.1)
-    async with running_server(engine, config) as srv, aiohttp.ClientSession() as s:
-        status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body(stream=True))
+    async with (
+        running_server(engine, config) as srv,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s,  # hang guard
+        s.post(srv.v1 + "/chat/completions", json=chat_body(stream=True)) as r,
+    ):
+        status, lines = r.status, []
+        async for line in r.content:
+            lines.append(line.decode())
+            if sum(x.startswith(": keep-alive") for x in lines) == 2:
+                seen_pings.set()
+    text = "".join(lines)
     assert status == 200
     events, comments = parse_sse(text)
     assert len(comments) >= 2
