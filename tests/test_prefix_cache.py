@@ -391,8 +391,10 @@ def test_latent_prefix_blocks_are_stored_once_and_reassembled(tmp_path):
 def test_corrupt_or_missing_block_fails_verification(tmp_path):
     c = latent_cache(tmp_path)
     c.insert([1], LatentSnap(latent_rows(300)), row(1))
+    (shared,) = (tmp_path / "blocks").iterdir()
     c.insert([1, 2], LatentSnap(latent_rows(600)), row(2))
-    shared, own = sorted((tmp_path / "blocks").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    # not by mtime: two writes within one coarse kernel clock tick share an mtime
+    (own,) = set((tmp_path / "blocks").iterdir()) - {shared}
     data = bytearray(own.read_bytes())
     data[10] ^= 0x01
     own.write_bytes(bytes(data))
