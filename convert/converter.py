@@ -53,6 +53,9 @@ PLACEHOLDER_MAGIC = b"LING3-RKNN-PLACEHOLDER\n"
 WEIGHTS_FILE = "weights.safetensors"
 
 
+W8A8_ALGORITHMS = ("normal", "mmse", "kl_divergence")
+
+
 class ConvertError(ValueError):
     """The conversion cannot proceed: bad options or inputs that are not a checkpoint."""
 
@@ -69,6 +72,11 @@ class ConvertOptions:
     chat_template: Path | None = None
     block_size: int = 32
     calibration_samples: int = 8
+    # w8a8 only: rknn-toolkit2's calibration algorithm (normal | mmse | kl_divergence) and
+    # the auto-hybrid cosine threshold (ops whose calibration cosine falls below it stay
+    # fp16; None: all int8). Recorded per stage in the manifest.
+    w8a8_algorithm: str = "normal"
+    w8a8_hybrid_cos: float | None = None
     build_rknn: bool = True  # False: placeholder .rknn files (host tests only)
     overwrite: bool = False
     resume: bool = False
@@ -92,6 +100,12 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError(f"--quant must be fp16 or w8a8, not {o.quant!r}")
     if o.experts not in ("int4", "int8", "fp16"):
         raise ConvertError(f"--experts must be int4, int8 or fp16, not {o.experts!r}")
+    if o.w8a8_algorithm not in W8A8_ALGORITHMS:
+        raise ConvertError(f"w8a8 algorithm must be one of {W8A8_ALGORITHMS}, "
+                           f"not {o.w8a8_algorithm!r}")
+    if o.w8a8_hybrid_cos is not None and not 0.0 < o.w8a8_hybrid_cos < 1.0:
+        raise ConvertError(f"w8a8 hybrid cosine threshold must be in (0, 1), "
+                           f"got {o.w8a8_hybrid_cos}")
     if o.chunk < 2:
         raise ConvertError(f"--chunk must be at least 2, got {o.chunk}")
     if o.npu_budget is not None and o.npu_budget < 0:
@@ -168,6 +182,10 @@ class _StageWriter:
                 "inputs": list(graph.inputs), "outputs": list(graph.outputs),
                 "shape_sets": [[list(s) for s in group] for group in chunk_sets],
                 "input_dtype": "float32", "nbytes": _weight_count(graph.model) * per_weight}
+        if self.quant == "w8a8":
+            spec["quantization"] = {"algorithm": o.w8a8_algorithm,
+                                    "hybrid_cos": o.w8a8_hybrid_cos,
+                                    "calibration_samples": o.calibration_samples}
         try:
             if not done:
                 onnx.save(graph.model, str(src))
@@ -206,7 +224,9 @@ class _StageWriter:
         result = build_rknn(src, path, self.quant,
                             calibration=(self._samples(name, graph.inputs)
                                          if self.quant == "w8a8" else None),
-                            dynamic_input=shape_sets)
+                            dynamic_input=shape_sets, algorithm=self.opts.w8a8_algorithm,
+                            hybrid_cos=(self.opts.w8a8_hybrid_cos
+                                        if self.quant == "w8a8" else None))
         if result.cpu_ops:
             log.warning("%s: ops left on the board CPU: %s", name, ", ".join(result.cpu_ops))
         self.writer.record(rknn_rel)

@@ -116,6 +116,8 @@ def build(args: argparse.Namespace) -> dict:
             if args.quant == "w8a8":
                 cfg.update(quantized_dtype="w8a8", quantized_method="channel",
                            quantized_algorithm=args.algorithm)
+                if args.hybrid_cos is not None:
+                    cfg["auto_hybrid_cos_thresh"] = args.hybrid_cos
             if args.dynamic_input:
                 cfg["dynamic_input"] = json.loads(args.dynamic_input)
             _check(rk.config(**cfg), "config")
@@ -126,7 +128,11 @@ def build(args: argparse.Namespace) -> dict:
             if args.quant == "w8a8":
                 calib = _load_samples(Path(args.calibration), in_names, "calibration")
                 dataset = str(_write_dataset(calib, Path(tmp)))
-            _check(rk.build(do_quantization=args.quant == "w8a8", dataset=dataset), "build")
+            # auto_hybrid: the toolkit runs the calibration set through the fp32 and the
+            # quantized graph and keeps in fp16 the ops whose output cosine falls below
+            # auto_hybrid_cos_thresh; the rest stays int8.
+            _check(rk.build(do_quantization=args.quant == "w8a8", dataset=dataset,
+                            auto_hybrid=args.hybrid_cos is not None), "build")
             t2 = time.perf_counter()
             partial = out_path.parent / f".{out_path.stem}.{os.getpid()}.partial.rknn"
             try:
@@ -154,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant", choices=QUANT_TYPES, required=True)
     p.add_argument("--target", default="rk3588")
     p.add_argument("--algorithm", default="normal", choices=("normal", "mmse", "kl_divergence"))
+    p.add_argument("--hybrid-cos", type=float, default=None,
+                   help="w8a8: keep in fp16 the ops whose calibration cosine is below this")
     p.add_argument("--calibration")
     p.add_argument("--dynamic-input", help="JSON list of input shape sets")
     p.add_argument("--simulate", action="append", default=[],

@@ -104,6 +104,7 @@ def build_rknn(
     target: str = "rk3588",
     dynamic_input: Sequence[Sequence[Sequence[int]]] | None = None,
     algorithm: str = "normal",
+    hybrid_cos: float | None = None,
     timeout: float | None = None,
 ) -> RknnBuildResult:
     """Convert ``onnx_path`` to ``out_path`` (fp16 or w8a8) and optionally simulate.
@@ -124,6 +125,8 @@ def build_rknn(
         cmd = [str(python), str(BUILD_SCRIPT), "--onnx", str(onnx_path), "--out", str(out_path),
                "--quant", quant, "--target", target, "--algorithm", algorithm,
                "--result", str(work / "result.json"), "--verbose"]
+        if hybrid_cos is not None:
+            cmd += ["--hybrid-cos", repr(float(hybrid_cos))]
         if calibration is not None:
             if isinstance(calibration, Mapping):
                 _save_samples(work / "calib.npz", calibration)

@@ -116,6 +116,9 @@ class StageSpec:
     shape_sets: tuple[tuple[tuple[int, ...], ...], ...]
     input_dtype: str = "float32"
     nbytes: int = 0  # NPU-resident bytes (size of the .rknn), for the memory budget
+    # how the converter quantized it (w8a8: toolkit algorithm, auto-hybrid threshold);
+    # provenance for re-tuning, not read by the runtime
+    quantization: dict[str, str | float | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,8 @@ class Manifest:
                 name: {"onnx": s.onnx, "rknn": s.rknn, "quant": s.quant,
                        "inputs": list(s.inputs), "outputs": list(s.outputs),
                        "shape_sets": [[list(shape) for shape in group] for group in s.shape_sets],
-                       "input_dtype": s.input_dtype, "nbytes": s.nbytes}
+                       "input_dtype": s.input_dtype, "nbytes": s.nbytes,
+                       **({} if s.quantization is None else {"quantization": s.quantization})}
                 for name, s in self.stages.items()
             },
             "experts": None if self.experts is None else {
@@ -332,7 +336,14 @@ def _parse_manifest(data: object) -> Manifest:
     for name in stages_r.data:
         s = stages_r.obj(name)
         s.only("onnx", "rknn", "quant", "inputs", "outputs", "shape_sets", "input_dtype",
-               "nbytes")
+               "nbytes", "quantization")
+        quantization = s.data.get("quantization")
+        if quantization is not None and not (
+                isinstance(quantization, dict) and all(
+                    isinstance(k, str) and (v is None or isinstance(v, (str, float, int)))
+                    and not isinstance(v, bool) for k, v in quantization.items())):
+            raise ManifestError(f"stages.{name}.quantization",
+                                "expected an object of strings / numbers")
         inputs = s.get("inputs", list)
         outputs = s.get("outputs", list)
         for key, names in (("inputs", inputs), ("outputs", outputs)):
@@ -346,7 +357,7 @@ def _parse_manifest(data: object) -> Manifest:
             shape_sets=_shape_sets(s.get("shape_sets", list), f"stages.{name}.shape_sets",
                                    len(inputs)),
             input_dtype=s.choice("input_dtype", ("float32", "float16")),
-            nbytes=s.int_("nbytes"),
+            nbytes=s.int_("nbytes"), quantization=quantization,
         )
 
     experts = None

@@ -8,11 +8,19 @@ stage references. A table of cosine / max error per output is printed and writte
 ``simulator_stages.json`` under the test's tmp dir (or ``$LING3_SIM_REPORT_BUNDLE``).
 
 Cosine is pooled over all held-out tokens of an output (the worst single token is
-reported too). fp16 must keep >= 0.9999 (measured >= 0.999999). w8a8: the issue asks for
-0.99; this 32-wide random checkpoint does not reach it on 9 of 70 outputs (pooled cosine
-0.974-0.990: per-tensor int8 activations over 32 channels, see the report), so the bound
-asserted here is 0.97 and the real-width 0.99 check is
-``test_simulator_stages.py::test_real_width_output_stage``. Ops the compiler leaves on the
+reported too). fp16 must keep >= 0.9999 (measured >= 0.999999). w8a8 must keep the
+issue's 0.99 on every output but three, with the converter's levers: 16 calibration
+prompts x 32 samples of 16 tokens (512 rows, what the converter's defaults give a real
+conversion, not the 64 rows this test used before) and auto-hybrid at 0.999
+(``ConvertOptions.w8a8_hybrid_cos``). ``layer.7.in k_rope`` at T = 1 (0.986) is a held-out
+token outside the calibrated output range (-3.91 vs calibrated min -2.85: clipped).
+``attn_delta`` of ``layer.1.out`` and ``layer.6.out`` at T = 1
+(measured 0.9896 / 0.9905) are held to 0.98: the T = 1 group pools only 4 tokens and one
+is a prompt's first token, whose KDA ``core`` has ~5x less RMS than the median, so the
+per-tensor int8 input quantizes it to a few levels (token cosine 0.94). Feeding ``core``
+pre-normalized per head (the graph's o_norm is scale-free up to eps) measured
+0.9996 / 0.9990 in a scratch build; that is a stage-contract change (runtime side), see
+convert/README.md. Ops the compiler leaves on the
 board CPU are recorded, not failed: the tiny model's outputs narrower than 8 channels
 (4 heads) hit the Reshape fallback found in phase 1, which the real 16-head model does not.
 
@@ -45,7 +53,12 @@ pytestmark = [
 
 FIXTURE = "lora_hfsave"
 CHUNK = 16
-MIN_COS = {"w8a8": 0.97, "fp16": 0.9999}
+MIN_COS = {"w8a8": 0.99, "fp16": 0.9999}
+HYBRID_COS = 0.999
+CALIB_PROMPTS, CALIB_SAMPLES = 16, 32
+# (stage, output, T) -> bound; why: module docstring
+KNOWN_BELOW = {("layer.1.out", "attn_delta", 1): 0.98, ("layer.6.out", "attn_delta", 1): 0.98,
+               ("layer.7.in", "k_rope", 1): 0.98}
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -82,8 +95,10 @@ def numpy_outputs(ref: NumpyStages, name: str, feeds: dict[str, np.ndarray]
 def setup():
     w = open_checkpoint(ORACLE_DIR / FIXTURE)
     rng = np.random.default_rng(5)
-    calib = calibrate(w, [rng.integers(2, 256, 80).tolist() for _ in range(2)], CHUNK, 4)
+    calib_prompts = [rng.integers(2, 256, 80).tolist() for _ in range(2)]
     held_out = calibrate(w, [rng.integers(2, 256, 64).tolist() for _ in range(2)], CHUNK, 4)
+    calib_prompts += [rng.integers(2, 256, 80).tolist() for _ in range(CALIB_PROMPTS - 2)]
+    calib = calibrate(w, calib_prompts, CHUNK, CALIB_SAMPLES)
     return w, calib, held_out, NumpyStages(w)
 
 
@@ -98,8 +113,9 @@ def test_every_stage_in_simulator(setup, quant, tmp_path) -> None:
         samples = held_out.samples(name, graph.inputs, 4)  # [4, 1, CHUNK, width]
         groups = [{k: v[:, :, :1] for k, v in samples.items()}, samples]
         res = build_rknn(src, tmp_path / f"{name}.rknn", quant,
-                         calibration=calib.samples(name, graph.inputs, 4)
+                         calibration=calib.samples(name, graph.inputs, CALIB_SAMPLES)
                          if quant == "w8a8" else None,
+                         hybrid_cos=HYBRID_COS if quant == "w8a8" else None,
                          simulate_inputs=groups, dynamic_input=graph.shape_sets((CHUNK,)))
         if res.cpu_ops:
             fallbacks[name] = list(res.cpu_ops)
@@ -142,7 +158,9 @@ def test_every_stage_in_simulator(setup, quant, tmp_path) -> None:
         print(f"  CPU fallback in {stage}: {', '.join(ops)}")
     report = Path(os.environ.get("LING3_SIM_REPORT_BUNDLE") or tmp_path / "simulator_stages.json")
     report.write_text(json.dumps({"rows": rows, "cpu_fallback": fallbacks}, indent=1))
-    bad = [r for r in worst.values() if r["cos"] < MIN_COS[quant]]
+    bad = [r for r in rows if r["cos"] < (
+        KNOWN_BELOW.get((r["stage"], r["output"], r["T"]), MIN_COS[quant])
+        if quant == "w8a8" else MIN_COS[quant])]
     assert not bad, bad
 
 
@@ -154,11 +172,16 @@ def test_convert_with_the_toolkit_runs_on_the_mock(tmp_path) -> None:
     out = tmp_path / "bundle"
     report = convert(ORACLE_DIR / "plainq_released", out, ConvertOptions(
         quant="w8a8", experts="int4", chunk=CHUNK, block_size=16, calibration=calib,
+        w8a8_algorithm="mmse", w8a8_hybrid_cos=HYBRID_COS,
         tokenizer=FIXTURES / "tokenizer" / "compact" / "tokenizer.json", npu_budget=0,
         progress=False))
     rknn = sorted(out.glob("stages/*.rknn"))
     assert len(rknn) == 17 and all(p.read_bytes()[:4] != b"LING" for p in rknn)
     assert all(report.stage_bytes[p.stem] == p.stat().st_size for p in rknn)
+    stages = json.loads((out / "manifest.json").read_text())["stages"]
+    assert {json.dumps(s["quantization"], sort_keys=True) for s in stages.values()} == {
+        json.dumps({"algorithm": "mmse", "hybrid_cos": HYBRID_COS, "calibration_samples": 8},
+                   sort_keys=True)}
     model = Model.from_bundle(out, executor="mock", verify="full")
     ref = np.load(ORACLE_DIR / "plainq_released" / "reference.npz")
     logits = model.forward(ref["input_ids"][:32], model.new_state())
