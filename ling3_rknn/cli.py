@@ -227,12 +227,14 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
     def load_bundle() -> object:
         from ling3_rknn.bundle import Bundle
         from ling3_rknn.chat import TEMPLATE_SHA256
+
+        # Typed errors for a missing/incomplete/corrupt bundle first (before the model
+        # package loads); a template other than the one the renderer implements is a loud
+        # warning.
+        bundle = Bundle.open(bundle_dir, verify="size", expected_template_sha256=TEMPLATE_SHA256)
         from ling3_rknn.model import Model
         from ling3_rknn.tokenizer import Tokenizer
 
-        # Typed errors for a missing/incomplete/corrupt bundle; a template other than the
-        # one the renderer implements is a loud warning.
-        bundle = Bundle.open(bundle_dir, verify="size", expected_template_sha256=TEMPLATE_SHA256)
         from_bundle = getattr(Model, "from_bundle", None)
         if from_bundle is None:
             raise RuntimeError(

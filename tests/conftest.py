@@ -5,6 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests check behaviour, never speed: the shared CI machine is noisy, so no
+# per-example deadline (a slow example must not fail a correct property).
+settings.register_profile("ling3", deadline=None)
+settings.load_profile("ling3")
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Tiny random Ling-3.0 checkpoints + transformers 5.24.0 reference logits
