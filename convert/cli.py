@@ -25,6 +25,7 @@ def run_convert(args: argparse.Namespace) -> int:
         calibration=args.calibration, npu_budget=args.npu_budget, chunk=args.chunk,
         tokenizer=args.tokenizer, chat_template=args.chat_template,
         block_size=args.block_size, build_rknn=not args.no_rknn_build,
+        w8a8_algorithm=args.w8a8_algorithm, w8a8_hybrid_cos=args.w8a8_hybrid_cos,
         overwrite=args.overwrite, resume=args.resume, progress=sys.stderr.isatty(),
     )
     try:

@@ -118,6 +118,11 @@ def _add_convert(commands: Any) -> None:
                       help="tokenizer.json (default HF_DIR/tokenizer.json)")
     conv.add_argument("--chat-template", type=Path, metavar="FILE")
     conv.add_argument("--block-size", type=_positive_int, default=32, help="expert quant block")
+    conv.add_argument("--w8a8-algorithm", choices=["normal", "mmse", "kl_divergence"],
+                      default="normal", help="rknn-toolkit2 quantized_algorithm for w8a8 stages")
+    conv.add_argument("--w8a8-hybrid-cos", type=float, metavar="COS",
+                      help="keep in fp16 the ops whose calibration cosine falls below COS "
+                           "(rknn-toolkit2 auto-hybrid; default: everything int8)")
     conv.add_argument("--no-rknn-build", action="store_true",
                       help="write placeholder .rknn files (host mock tests only)")
     conv.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")

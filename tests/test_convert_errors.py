@@ -236,3 +236,11 @@ def test_cli_convert_bad_checkpoint(tmp_path, capsys) -> None:
                  str(TOKENIZER)]) == 1
     assert "CheckpointError" in capsys.readouterr().err
     assert_nothing_written(tmp_path)
+
+
+def test_cli_convert_bad_w8a8_hybrid_threshold(tmp_path, capsys) -> None:
+    args = ["convert", str(SRC), str(tmp_path / "out"), "--tokenizer", str(TOKENIZER),
+            "--quant", "w8a8", "--w8a8-hybrid-cos", "1.5", "--no-rknn-build"]
+    assert main(args) == 1
+    assert "ConvertError" in capsys.readouterr().err
+    assert_nothing_written(tmp_path)
