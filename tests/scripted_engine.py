@@ -27,6 +27,17 @@ from ling3_rknn.engine.api import (
     Usage,
 )
 
+# A thinking model's answer with one tool call, in the uneven pieces a tokenizer streams,
+# after the generation prompt "<role>ASSISTANT</role>\n<think>".
+ONE_CALL = [
+    "Need the",
+    " file.</th",
+    "ink><tool_",
+    "call>read\n<arg_key>pa",
+    "th</arg_key>\n<arg_value>a.py</arg_",
+    "value><arg_key>limit</arg_key>\n<arg_value>20</arg_value>\n</tool_call>",
+]
+
 
 @dataclass
 class Script:

@@ -16,20 +16,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import ONE_CALL, ScriptedEngine
 from server_harness import running_server
 
 CLIENTS = Path(__file__).resolve().parent / "server_clients"
 NODE = shutil.which("node")
 
-ONE_CALL = [
-    "Need the",
-    " file.</th",
-    "ink><tool_",
-    "call>read\n<arg_key>pa",
-    "th</arg_key>\n<arg_value>a.py</arg_",
-    "value><arg_key>limit</arg_key>\n<arg_value>20</arg_value>\n</tool_call>",
-]
 TWO_CALLS = [
     "Both files.</think>",
     "<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n</tool_call>",

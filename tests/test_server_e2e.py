@@ -129,19 +129,24 @@ def _wait_for_port(process: subprocess.Popen) -> int:
     raise AssertionError(f"server exited with {process.wait()} before listening")
 
 
+async def _wait_until_ready(session: aiohttp.ClientSession, base: str) -> None:
+    """/health answers 503 while the model loads, then 200."""
+    for _ in range(500):
+        async with session.get(base + "/health") as r:
+            if r.status == 200:
+                return
+            assert r.status == 503
+        await asyncio.sleep(0.02)
+    raise AssertionError("the model did not become ready")
+
+
 async def test_cli_serve_demo_health_completion_and_sigterm():
     process = _start_cli("--demo", "--port", "0", "--api-key", "k")
     try:
         port = await asyncio.to_thread(_wait_for_port, process)
         base = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as session:
-            for _ in range(500):
-                async with session.get(base + "/health") as r:
-                    if r.status == 200:
-                        break
-                    assert r.status == 503
-                await asyncio.sleep(0.02)
-            assert r.status == 200
+            await _wait_until_ready(session, base)
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
         try:
             (model,) = (await client.models.list()).data
@@ -186,11 +191,7 @@ async def test_cli_prefix_cache_survives_a_restart(tmp_path):
             port = await asyncio.to_thread(_wait_for_port, process)
             base = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession() as session:
-                for _ in range(500):
-                    async with session.get(base + "/health") as r:
-                        if r.status == 200:
-                            break
-                    await asyncio.sleep(0.02)
+                await _wait_until_ready(session, base)
                 async with session.post(base + "/v1/chat/completions", json=payload) as r:
                     assert r.status == 200
                     usage = (await r.json())["usage"]

@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from scripted_engine import ScriptedEngine
+from scripted_engine import ONE_CALL, ScriptedEngine
 from server_harness import parse_sse, running_server
 
 READ_TOOL = {
@@ -35,14 +35,6 @@ MODEL = "ling-3.0-tiny"
 
 # What the model writes after the generation prompt "<role>ASSISTANT</role>\n<think>".
 REASONED_ANSWER = ["I should", " greet.</th", "ink>Hel", "lo!"]
-ONE_CALL = [
-    "Need the",
-    " file.</th",
-    "ink><tool_",
-    "call>read\n<arg_key>pa",
-    "th</arg_key>\n<arg_value>a.py</arg_",
-    "value><arg_key>limit</arg_key>\n<arg_value>20</arg_value>\n</tool_call>",
-]
 TWO_CALLS = [
     "<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n</tool_call>",
     "\n<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>b.py</arg_value>\n</tool_call>",
