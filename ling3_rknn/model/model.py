@@ -120,12 +120,15 @@ class Model:
             )
         state.broken = True  # cleared only when every layer has been advanced
         x = self.stages.embed(ids)
-        positions = np.arange(state.length, end)
+        # One set of RoPE angles per call, shared by every MLA layer (same positions).
+        rope = rope_angles(
+            np.arange(state.length, end), self.config.qk_rope_head_dim, self.config.rope_theta
+        )
         for i, kind in enumerate(self.config.layer_kinds):
             if kind == "kda":
                 out = self._kda_layer(i, x, state)
             else:
-                out = self._mla_layer(i, x, state, positions)
+                out = self._mla_layer(i, x, state, rope)
             x = out.hidden if out.moe_input is None else self._moe(i, out)
         state.length = end
         state.broken = False
@@ -143,11 +146,10 @@ class Model:
         return self.stages.kda_output(i, x, core, inp.out_gate)
 
     def _mla_layer(
-        self, i: int, x: np.ndarray, state: SequenceState, positions: np.ndarray
+        self, i: int, x: np.ndarray, state: SequenceState, rope: tuple[np.ndarray, np.ndarray]
     ) -> LayerOutput:
-        c = self.config
         inp = self.stages.mla_input(i, x)
-        cos, sin = rope_angles(positions, c.qk_rope_head_dim, c.rope_theta)
+        cos, sin = rope
         q_rope = apply_rope(inp.q_rope, cos, sin)
         k_rope = apply_rope(inp.k_rope, cos, sin)
         cache = state.latents[i]
