@@ -26,7 +26,7 @@ import numpy as np
 
 from .api import EngineFailure, Finished, FinishReason, GenerationEvent, TextDelta, Usage
 from .prefix_cache import PrefixCache
-from .prompt_encoder import EncodedPrompt, PromptEncoder
+from .prompt_encoder import EncodedPrompt, PromptEncoder, Transcript
 from .sampler import Sampler, SamplerSettings
 from .stop_strings import StopMatcher
 
@@ -187,7 +187,7 @@ class Runner:
                 job.prompt.spliced_tokens,
                 len(ids) - depth,
             )
-            reason, generated, text = self._decode(job, logits, depth)
+            reason, generated, text, finished = self._decode(job, logits, depth)
         except Cancelled:
             with self._counters.lock:
                 self._counters.cancelled += 1
@@ -199,7 +199,13 @@ class Runner:
             self._recover()
             job.emit(EngineFailure(f"model failure: {exc}"))
             return
-        self._after_generation(job, reason, generated, text)
+        # The transcript is learnt before the client hears of the end, so a next turn sent
+        # at once already reuses the generated ids; the end-of-turn snapshot follows and is
+        # in place before the worker takes that next request.
+        turn = self._remember_turn(job, reason, generated, text)
+        job.emit(finished)
+        if turn is not None:
+            self._snapshot_turn(*turn)
 
     def _resume(self, ids: list[int]) -> tuple[int, np.ndarray | None]:
         hit = self._cache.lookup(ids) if self._cache is not None else None
@@ -264,7 +270,7 @@ class Runner:
 
     def _decode(
         self, job: Job, logits: np.ndarray, depth: int
-    ) -> tuple[FinishReason | str, list[int], str]:
+    ) -> tuple[FinishReason | str, list[int], str, Finished]:
         ids = job.prompt.ids
         sampler = Sampler(job.settings, self._sample_limit, ids)
         decoder = self._tokenizer.stream_decoder()
@@ -317,11 +323,13 @@ class Runner:
         text = "".join(pieces)
         finish: FinishReason = "length" if reason == "length" else "stop"
         usage = Usage(len(ids), len(generated), depth)
-        job.emit(Finished(finish, usage, text))
-        return reason, generated, text
+        return reason, generated, text, Finished(finish, usage, text)
 
-    def _after_generation(self, job: Job, reason: str, generated: list[int], text: str) -> None:
-        """Feed the end-of-turn marker and snapshot where the next turn will continue."""
+    def _remember_turn(
+        self, job: Job, reason: str, generated: list[int], text: str
+    ) -> tuple[list[int], list[int], Transcript] | None:
+        """Record the finished turn for generated-id reuse; returns what the end-of-turn
+        snapshot needs (token path, ids still to feed, transcript), or None."""
         if reason == "eos":
             body = generated[:-1]
             feed = [self._eos_id]
@@ -329,12 +337,16 @@ class Runner:
             body = generated
             feed = [generated[-1], self._eos_id]
         else:  # a stop string cut the text mid-token: the next turn cannot line up
-            return
+            return None
         prompt = job.prompt
         full = [*prompt.ids, *body, self._eos_id]
         if len(full) > self._options.max_context:
-            return
+            return None
         record = self._encoder.remember(prompt, _history_form(job, text), body, self._eos_id)
+        return full, feed, record
+
+    def _snapshot_turn(self, full: list[int], feed: list[int], record: Transcript) -> None:
+        """Feed the end-of-turn marker and snapshot where the next turn will continue."""
         if self._cache is None:
             return
         t0 = time.perf_counter()
