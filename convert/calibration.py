@@ -23,7 +23,7 @@ import numpy as np
 from ling3_rknn.config import ModelConfig
 from ling3_rknn.model import CpuWeights, Model, NumpyStages
 from ling3_rknn.model.moe import NumpyExperts
-from ling3_rknn.model.stages import KdaInputs, LayerOutput, MlaInputs
+from ling3_rknn.model.stages import KdaInputs, LayerOutput, MlaInputs, kda_core_norm
 from ling3_rknn.model.weights import CheckpointWeights
 
 # Varied on purpose: chat, code, tool calls, reasoning, other languages, numbers. Real
@@ -143,30 +143,60 @@ def _cut(rows: np.ndarray, chunk: int, count: int) -> np.ndarray:
 
 
 class _Recorder:
-    def __init__(self, max_rows: int) -> None:
-        self.max_rows = max_rows
-        self.rows: dict[str, dict[str, list[np.ndarray]]] = {}
-        self.count: dict[str, int] = {}
+    """Keeps ``capacity`` of the pieces (one forward call each) a stage sees.
+
+    Half the room goes to prompt openings (each prompt's first piece, where the KDA state
+    is empty and the first token has its own activation regime), the rest to a uniform
+    draw over all other pieces of all prompts (reservoir sampling, seeded). Keeping just
+    the first pieces seen left every prompt after the first few unseen, and a held-out
+    token outside the calibrated range is clipped by a w8a8 graph; a uniform draw alone
+    can miss the openings (convert/README.md)."""
+
+    def __init__(self, capacity: int, seed: int = 0) -> None:
+        self.capacity = capacity
+        self.opening = True  # set by the calibration loop before each forward call
+        self._rng = np.random.default_rng(seed)
+        self._pools: dict[tuple[str, bool], list[dict[str, np.ndarray]]] = {}
+        self._seen: dict[tuple[str, bool], int] = {}
 
     def add(self, stage: str, **inputs: np.ndarray) -> None:
-        have = self.count.get(stage, 0)
-        if have >= self.max_rows:
+        key = (stage, self.opening)
+        room = max(1, self.capacity // 2) if self.opening else self.capacity
+        seen = self._seen.get(key, 0)
+        self._seen[key] = seen + 1
+        pool = self._pools.setdefault(key, [])
+        slot = seen if seen < room else int(self._rng.integers(0, seen + 1))
+        if slot >= room:
             return
-        bucket = self.rows.setdefault(stage, {})
-        for name, x in inputs.items():
-            flat = np.asarray(x, np.float32).reshape(x.shape[0], -1)
-            bucket.setdefault(name, []).append(flat[: self.max_rows - have].copy())
-        self.count[stage] = have + inputs[next(iter(inputs))].shape[0]
+        piece = {name: _rows(x) for name, x in inputs.items()}
+        if slot == len(pool):
+            pool.append(piece)
+        else:
+            pool[slot] = piece
 
     def arrays(self) -> dict[str, dict[str, np.ndarray]]:
-        return {s: {n: np.concatenate(v) for n, v in d.items()} for s, d in self.rows.items()}
+        out = {}
+        for stage in dict.fromkeys(s for s, _ in self._pools):
+            pieces = self._pools.get((stage, True), [])
+            rest = self._pools.get((stage, False), [])
+            order = self._rng.permutation(len(rest))[: self.capacity - len(pieces)]
+            pieces = pieces + [rest[i] for i in sorted(order)]
+            out[stage] = {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+        return out
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``[T, ...]`` -> a private ``[T, width]`` copy; floats as float32, ids kept as ids."""
+    x = np.asarray(x)
+    dtype = np.float32 if np.issubdtype(x.dtype, np.floating) else x.dtype
+    return np.array(x.reshape(x.shape[0], -1), dtype=dtype)
 
 
 class _RecordingStages:
     """``NumpyStages`` that also records every stage's inputs (the calibration set)."""
 
-    def __init__(self, inner: NumpyStages, rec: _Recorder) -> None:
-        self._inner, self._rec = inner, rec
+    def __init__(self, inner: NumpyStages, rec: _Recorder, eps: float) -> None:
+        self._inner, self._rec, self._eps = inner, rec, eps
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return self._inner.embed(ids)
@@ -181,7 +211,8 @@ class _RecordingStages:
 
     def kda_output(self, layer: int, x: np.ndarray, core: np.ndarray, out_gate: np.ndarray
                    ) -> LayerOutput:
-        self._rec.add(f"layer.{layer}.out", x=x, core=core, out_gate=out_gate)
+        self._rec.add(f"layer.{layer}.out", x=x, out_gate=out_gate,
+                      core_normed=kda_core_norm(core, self._eps))
         return self._inner.kda_output(layer, x, core, out_gate)
 
     def mla_output(self, layer: int, x: np.ndarray, ctx: np.ndarray, gate: np.ndarray
@@ -197,26 +228,20 @@ class _RecordingStages:
 class _RecordingExperts:
     """Numpy experts that count routing decisions and keep MoE inputs per layer."""
 
-    def __init__(self, inner: NumpyExperts, cfg: ModelConfig, max_rows: int) -> None:
+    def __init__(self, inner: NumpyExperts, cfg: ModelConfig, capacity: int) -> None:
         self._inner = inner
         self.moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.counts = np.zeros((len(self.moe_layers), cfg.num_experts), np.int64)
-        self._rec = _Recorder(max_rows)
-        self._ids: dict[int, list[np.ndarray]] = {}
+        self.recorder = _Recorder(capacity, seed=1)
 
     def __call__(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray
                  ) -> np.ndarray:
         np.add.at(self.counts[self.moe_layers.index(layer)], ids.reshape(-1), 1)
-        before = self._rec.count.get(str(layer), 0)
-        self._rec.add(str(layer), x=x)
-        kept = self._rec.count.get(str(layer), 0) - before
-        if kept > 0 or before < self._rec.max_rows:
-            self._ids.setdefault(layer, []).append(ids[: self._rec.max_rows - before])
+        self.recorder.add(str(layer), x=x, ids=ids)
         return self._inner(layer, x, ids, weights)
 
     def rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        arrays = self._rec.arrays()
-        return {int(k): (v["x"], np.concatenate(self._ids[int(k)])) for k, v in arrays.items()}
+        return {int(k): (v["x"], v["ids"]) for k, v in self.recorder.arrays().items()}
 
 
 def calibrate(weights: CheckpointWeights, prompts: list[list[int]], chunk: int,
@@ -230,16 +255,16 @@ def calibrate(weights: CheckpointWeights, prompts: list[list[int]], chunk: int,
             raise CalibrationError(
                 f"calibration prompt {n} has token id {bad[0]} outside the model's vocabulary "
                 f"[0, {cfg.vocab_size}): tokenizer and checkpoint do not belong together")
-    max_rows = chunk * samples
-    rec = _Recorder(max_rows)
-    experts = _RecordingExperts(NumpyExperts(weights.expert), cfg, max_rows)
-    model = Model(cfg, _RecordingStages(NumpyStages(weights), rec), experts,
+    rec = _Recorder(samples)
+    experts = _RecordingExperts(NumpyExperts(weights.expert), cfg, samples)
+    model = Model(cfg, _RecordingStages(NumpyStages(weights), rec, cfg.rms_norm_eps), experts,
                   CpuWeights.from_checkpoint(weights))
     tokens = 0
     for ids in prompts:
         state = model.new_state()
         ids = ids[: cfg.max_position_embeddings]
         for start in range(0, len(ids), chunk):
+            rec.opening = experts.recorder.opening = start == 0
             model.forward(ids[start:start + chunk], state)
         tokens += len(ids)
         if progress is not None:

@@ -9,10 +9,11 @@ for decode and T = chunk for prefill.
 Stage contract (the numpy stages give the same numbers; the runtime adapts in
 ``ling3_rknn.model.bundle_stages``):
 
-* ``layer.<i>.in`` (KDA): ``x`` -> ``qkv``, ``forget_logit`` (safe gate; the CPU applies
-  ``lb * sigmoid``) or ``log_decay``, ``beta``, ``out_gate``;
+* ``layer.<i>.in`` (KDA): ``x`` -> ``qkv``, ``forget_logit`` (safe gate, clipped to
+  ``FORGET_LOGIT_RANGE``; the CPU applies ``lb * sigmoid``) or ``log_decay``, ``beta``,
+  ``out_gate``;
   (MLA): ``x`` -> ``q_latent``, ``q_rope``, ``latent``, ``k_rope``, ``gate``.
-* ``layer.<i>.out`` (KDA): ``x, core, out_gate``; (MLA): ``x, ctx, gate`` ->
+* ``layer.<i>.out`` (KDA): ``x, core_normed, out_gate``; (MLA): ``x, ctx, gate`` ->
   ``attn_delta`` plus ``ffn_delta`` (dense FFN layer) or ``moe_input``, ``shared``,
   ``router_logits`` (MoE layer). The residual adds stay on the CPU in fp32: w8a8
   quantizes activations per tensor, and the residual stream's outlier channels lose
@@ -23,7 +24,7 @@ Stage contract (the numpy stages give the same numbers; the runtime adapts in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,12 @@ from ling3_rknn.model.stages import (
 
 T = "T"  # the symbolic token axis of every ONNX twin
 LATENT_NORM_EPS = 1e-6  # transformers' class default for q_a / kv_a norms (stages.py)
+# The safe-gate forget logit z = A (f + dt_bias) as a w8a8 output. Unclipped it spans
+# ~(-150, 18) on the tiny checkpoint (A and dt_bias differ per head): a 0.66 int8 step,
+# i.e. +-33 % error on every slow decay g = lb sigmoid(z) ~ lb e^z. The gate only moves
+# inside this range: at -16, |g| = 5.6e-7 per token (a decay of 0.98 after 32K tokens,
+# against 1.0), at 6, g is 99.75 % of lb. Clipped, the step is 0.086 (+-4.3 %).
+FORGET_LOGIT_RANGE = (-16.0, 6.0)
 
 
 @dataclass(frozen=True)
@@ -83,10 +90,14 @@ def kda_input_graph(name: str, w: KdaInputWeights, cfg: ModelConfig,
     beta = b.sigmoid(b.linear(u, _rows(w.proj, 5 * p, 5 * p + h), "b"))
     rate = np.repeat(np.exp(w.a_log.astype(np.float64)), d).astype(np.float32)  # per channel
     if cfg.kda_safe_gate:
-        # The forget logit z = A (f + dt_bias) (one folded scale + shift); the CPU applies
-        # g = lb * sigmoid(z) (stages.safe_gate_log_decay, whose docstring says why).
+        # The forget logit z = A (f + dt_bias) (one folded scale + shift), clipped to where
+        # the gate still moves; the CPU applies g = lb * sigmoid(z)
+        # (stages.safe_gate_log_decay and FORGET_LOGIT_RANGE say why).
         decay_name = "forget_logit"
-        decay = b.scale_shift(f, "forget", scale=rate, shift=rate * w.dt_bias)
+        z = b.scale_shift(f, "forget", scale=rate, shift=rate * w.dt_bias)
+        lo, hi = (b.constant(f"forget.{k}", np.array(v, np.float32))
+                  for k, v in zip(("min", "max"), FORGET_LOGIT_RANGE, strict=True))
+        decay = b.node("Clip", [z, lo, hi])
     else:
         decay_name = "log_decay"
         sp = b.node("Softplus", [b.scale_shift(f, "forget", shift=w.dt_bias)])
@@ -133,14 +144,18 @@ def mla_input_graph(name: str, w: MlaInputWeights, cfg: ModelConfig,
 def kda_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
                      weight_dtype: type = np.float32, external: Path | None = None
                 ) -> StageGraph:
+    """``core_normed`` is ``stages.kda_core_norm(core)``, done on the CPU (why: there); the
+    graph applies o_norm's weight and the sigmoid gate, channel-wise over all heads."""
     h, d, dim = cfg.num_attention_heads, cfg.kda_head_dim, cfg.hidden_size
     b = GraphBuilder(name, weight_dtype, external)
     x = b.input("x", [1, T, dim])
-    core = b.reshape(b.input("core", [1, T, h * d]), [0, 0, h, d], "core.shape")
-    gate = b.reshape(b.input("out_gate", [1, T, h * d]), [0, 0, h, d], "gate.shape")
-    normed = b.mul(b.rmsnorm(core, w.o_norm, cfg.rms_norm_eps, "o_norm"), b.sigmoid(gate))
-    y = b.reshape(normed, [0, 0, h * d], "y.shape")
-    return _output_tail(b, name, {"x": dim, "core": h * d, "out_gate": h * d}, x, y, w, cfg)
+    core = b.input("core_normed", [1, T, h * d])
+    gate = b.input("out_gate", [1, T, h * d])
+    y = b.mul(core, b.sigmoid(gate))
+    # o_norm's weight folded into o_proj's columns: (c * w) @ P.T == c @ (P * w).T
+    folded = replace(w, o_proj=w.o_proj * np.tile(np.asarray(w.o_norm, np.float32), h)[None])
+    return _output_tail(b, name, {"x": dim, "core_normed": h * d, "out_gate": h * d},
+                        x, y, folded, cfg)
 
 
 def mla_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,

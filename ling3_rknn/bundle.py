@@ -30,7 +30,8 @@ from typing import Any, Literal
 log = logging.getLogger(__name__)
 
 FORMAT = "ling3-rknn-bundle"
-FORMAT_VERSION = 1
+# 2: KDA output stages take ``core_normed`` (the CPU does o_norm's scale-free half)
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 _JOURNAL = ".journal.jsonl"  # resumable conversions only; never part of a bundle
 QUANT_TYPES = ("fp32", "fp16", "w8a8")  # fp32 only for --target cpu (ONNX twin only)

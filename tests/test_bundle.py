@@ -179,7 +179,8 @@ def test_full_verification_streams_with_progress(bundle_dir):
 
 
 @pytest.mark.parametrize("version,match", [
-    (FORMAT_VERSION + 1, "newer"), (0, "re-convert"), ("1", "re-convert"), (None, "None"),
+    (FORMAT_VERSION + 1, "newer"), (FORMAT_VERSION - 1, "re-convert"), (0, "re-convert"),
+    ("1", "re-convert"), (None, "None"),
     (True, "re-convert"),
 ])
 def test_other_format_versions(bundle_dir, version, match):

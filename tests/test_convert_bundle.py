@@ -34,7 +34,11 @@ QUANT_POSITIONS = 256
 # catches gross breakage; the per-stage figures are the meaningful accuracy check.
 MIN_TOP1_AGREEMENT = 0.10
 MAX_MEAN_KL = 0.6
-MIN_STAGE_COSINE = 0.96  # worst measured: 0.968 (layer 0 dense FFN output)
+# onnxruntime's QDQ twin (min/max ranges, uint8 activations) on 16 calibration pieces of
+# the 4 x 90-token test prompts; worst measured 0.960 (layer 5 shared expert: the SwiGLU
+# product's outliers set its range). The rknn build itself keeps >= 0.99 on every stage
+# output (tests/test_simulator_bundle.py).
+MIN_STAGE_COSINE = 0.95
 
 
 def calibration_file(tmp: Path, vocab: int) -> Path:
@@ -200,7 +204,8 @@ def test_w8a8_twin_per_stage_cosine(tmp_path) -> None:
     from convert.converter import open_checkpoint
 
     fixture = ORACLE_FIXTURES[0]
-    q = make_bundle(tmp_path, fixture, "q", quant="w8a8", experts="fp16", npu_budget=0)
+    q = make_bundle(tmp_path, fixture, "q", quant="w8a8", experts="fp16", npu_budget=0,
+                    calibration_samples=16)
     f = make_bundle(tmp_path, fixture, "f", quant="fp16", experts="fp16", npu_budget=0)
     ids = np.random.default_rng(3).integers(2, 256, 64).tolist()
     calib = calibrate(open_checkpoint(ORACLE_DIR / fixture), [ids], 16, 4)

@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 from convert.calibration import CalibrationError
 from convert.converter import ConvertError, ConvertOptions, convert
 from ling3_rknn.bundle import (
+    FORMAT_VERSION,
     FileCorruptError,
     FormatVersionError,
     MissingFileError,
@@ -185,9 +186,9 @@ def test_missing_bundle_file(tmp_path, bundle) -> None:
 def test_other_format_version(tmp_path, bundle) -> None:
     b = fresh_copy(bundle, tmp_path)
     manifest = json.loads((b / "manifest.json").read_text())
-    manifest["format_version"] = 2
+    manifest["format_version"] = FORMAT_VERSION + 1
     (b / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(FormatVersionError, match="version 2"):
+    with pytest.raises(FormatVersionError, match=f"version {FORMAT_VERSION + 1}"):
         Model.from_bundle(b, executor="mock")
 
 

@@ -8,19 +8,14 @@ stage references. A table of cosine / max error per output is printed and writte
 ``simulator_stages.json`` under the test's tmp dir (or ``$LING3_SIM_REPORT_BUNDLE``).
 
 Cosine is pooled over all held-out tokens of an output (the worst single token is
-reported too). fp16 must keep >= 0.9999 (measured >= 0.999999). w8a8 must keep the
-issue's 0.99 on every output but three, with the converter's levers: 16 calibration
-prompts x 32 samples of 16 tokens (512 rows, what the converter's defaults give a real
-conversion, not the 64 rows this test used before) and auto-hybrid at 0.999
-(``ConvertOptions.w8a8_hybrid_cos``). ``layer.7.in k_rope`` at T = 1 (0.986) is a held-out
-token outside the calibrated output range (-3.91 vs calibrated min -2.85: clipped).
-``attn_delta`` of ``layer.1.out`` and ``layer.6.out`` at T = 1
-(measured 0.9896 / 0.9905) are held to 0.98: the T = 1 group pools only 4 tokens and one
-is a prompt's first token, whose KDA ``core`` has ~5x less RMS than the median, so the
-per-tensor int8 input quantizes it to a few levels (token cosine 0.94). Feeding ``core``
-pre-normalized per head (the graph's o_norm is scale-free up to eps) measured
-0.9996 / 0.9990 in a scratch build; that is a stage-contract change (runtime side), see
-convert/README.md. Ops the compiler leaves on the
+reported too). fp16 must keep >= 0.9999 (measured >= 0.999999); w8a8 the issue's 0.99 on
+every output, with the converter's levers: 16 calibration prompts x 32 pieces of 16
+tokens drawn over all prompts, half of them prompt openings (convert/calibration.py),
+auto-hybrid at 0.999 (``ConvertOptions.w8a8_hybrid_cos``), the KDA ``core`` normalised
+per head on the CPU (``stages.kda_core_norm``) and the forget logit clipped to where the
+gate moves (``stage_graphs.FORGET_LOGIT_RANGE``); convert/README.md has the figures
+before and after each. ``log_decay`` is compared after the CPU half of the gate, the
+value the recurrence uses. Ops the compiler leaves on the
 board CPU are recorded, not failed: the tiny model's outputs narrower than 8 channels
 (4 heads) hit the Reshape fallback found in phase 1, which the real 16-head model does not.
 
@@ -43,7 +38,7 @@ from convert.calibration import calibrate
 from convert.converter import ConvertOptions, _build_stage, convert, open_checkpoint
 from convert.rknn_toolkit import build_rknn, rknn_available
 from ling3_rknn.model import Model, NumpyStages
-from ling3_rknn.model.stages import safe_gate_log_decay
+from ling3_rknn.model.stages import kda_normed_output_stage, safe_gate_log_decay
 
 pytestmark = [
     pytest.mark.simulator,
@@ -56,9 +51,6 @@ CHUNK = 16
 MIN_COS = {"w8a8": 0.99, "fp16": 0.9999}
 HYBRID_COS = 0.999
 CALIB_PROMPTS, CALIB_SAMPLES = 16, 32
-# (stage, output, T) -> bound; why: module docstring
-KNOWN_BELOW = {("layer.1.out", "attn_delta", 1): 0.98, ("layer.6.out", "attn_delta", 1): 0.98,
-               ("layer.7.in", "k_rope", 1): 0.98}
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -79,9 +71,12 @@ def numpy_outputs(ref: NumpyStages, name: str, feeds: dict[str, np.ndarray]
         return {k: v.reshape(t, -1) for k, v in vars(out).items()}
     cfg = ref._cfg
     if cfg.layer_kinds[i] == "kda":
-        core = feeds["core"].reshape(t, cfg.num_attention_heads, cfg.kda_head_dim)
+        # core_normed is kda_core_norm(core), done on the CPU: not normalised again here
+        # (a head whose core is ~0 stays ~0, as in the model)
+        core = feeds["core_normed"].reshape(t, cfg.num_attention_heads, cfg.kda_head_dim)
         gate = feeds["out_gate"].reshape(core.shape)
-        out = ref.kda_output(i, x, core, gate)
+        out = kda_normed_output_stage(x, core, gate, ref._output_weights(i),
+                                      eps=cfg.rms_norm_eps)
     else:
         ctx = feeds["ctx"].reshape(t, cfg.num_attention_heads, cfg.kv_lora_rank)
         out = ref.mla_output(i, x, ctx, feeds["gate"])
@@ -158,9 +153,7 @@ def test_every_stage_in_simulator(setup, quant, tmp_path) -> None:
         print(f"  CPU fallback in {stage}: {', '.join(ops)}")
     report = Path(os.environ.get("LING3_SIM_REPORT_BUNDLE") or tmp_path / "simulator_stages.json")
     report.write_text(json.dumps({"rows": rows, "cpu_fallback": fallbacks}, indent=1))
-    bad = [r for r in rows if r["cos"] < (
-        KNOWN_BELOW.get((r["stage"], r["output"], r["T"]), MIN_COS[quant])
-        if quant == "w8a8" else MIN_COS[quant])]
+    bad = [r for r in rows if r["cos"] < MIN_COS[quant]]
     assert not bad, bad
 
 

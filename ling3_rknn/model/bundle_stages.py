@@ -21,7 +21,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..npu import ExpertExecutor, GraphExecutor
 from .safetensors_file import SafetensorsFile
-from .stages import KdaInputs, LayerOutput, MlaInputs, safe_gate_log_decay
+from .stages import KdaInputs, LayerOutput, MlaInputs, kda_core_norm, safe_gate_log_decay
 
 
 class GraphStages:
@@ -85,7 +85,8 @@ class GraphStages:
     def kda_output(self, layer: int, x: np.ndarray, core: np.ndarray, out_gate: np.ndarray
                    ) -> LayerOutput:
         t = x.shape[0]
-        o = self.run(f"layer.{layer}.out", x, core.reshape(t, -1), out_gate.reshape(t, -1))
+        normed = kda_core_norm(core, self._cfg.rms_norm_eps)  # the graph's contract
+        o = self.run(f"layer.{layer}.out", x, normed.reshape(t, -1), out_gate.reshape(t, -1))
         return self._layer_output(x, o)
 
     def mla_output(self, layer: int, x: np.ndarray, ctx: np.ndarray, gate: np.ndarray

@@ -197,9 +197,27 @@ def kda_output_stage(
     x: np.ndarray, core: np.ndarray, out_gate: np.ndarray, w: OutputWeights, *, eps: float
 ) -> LayerOutput:
     """``core`` [T, H, d] is the recurrence output; gated head-wise RMSNorm, then o_proj."""
-    var = np.mean(np.square(core), axis=-1, keepdims=True)
-    y = core / np.sqrt(var + eps) * w.o_norm * sigmoid(out_gate)
+    return kda_normed_output_stage(x, kda_core_norm(core, eps), out_gate, w, eps=eps)
+
+
+def kda_normed_output_stage(
+    x: np.ndarray, core_normed: np.ndarray, out_gate: np.ndarray, w: OutputWeights, *,
+    eps: float
+) -> LayerOutput:
+    """The KDA output stage as the NPU graph runs it: ``core_normed`` is
+    ``kda_core_norm(core)``, computed on the CPU."""
+    y = core_normed * w.o_norm * sigmoid(out_gate)
     return _output_tail(x, y.reshape(x.shape[0], -1), w, eps)
+
+
+def kda_core_norm(core: np.ndarray, eps: float) -> np.ndarray:
+    """The scale-free half of KDA's head-wise o_norm, done on the CPU before the output
+    stage: a w8a8 graph quantizes its ``core`` input per tensor, and a prompt's first
+    token has ~5x less recurrence output than the rest, so it kept only a few int8
+    levels (convert/README.md, "w8a8 on the tiny checkpoint"). Normalised heads share one
+    range; the graph applies the weight and the gate."""
+    var = np.mean(np.square(core), axis=-1, keepdims=True)
+    return core / np.sqrt(var + eps)
 
 
 def mla_output_stage(
