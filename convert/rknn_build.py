@@ -100,39 +100,49 @@ def _simulate(rk: object, sim_in: Path, sim_out: Path, in_names: list[str],
     os.replace(tmp_out, sim_out)
 
 
+def configure_and_build(rk: object, onnx_path: Path, in_names: list[str], *, quant: str,
+                        target: str, algorithm: str, hybrid_cos: float | None,
+                        dynamic_input: str | None, calibration: str | None,
+                        workdir: Path) -> None:
+    """config + load_onnx + build on ``rk`` (also used by rknn_sim_server.py)."""
+    if quant == "w8a8" and not calibration:
+        raise BuildFailure("config", "w8a8 needs a calibration set of real inputs")
+    cfg = {"target_platform": target}
+    if quant == "w8a8":
+        cfg.update(quantized_dtype="w8a8", quantized_method="channel",
+                   quantized_algorithm=algorithm)
+        if hybrid_cos is not None:
+            cfg["auto_hybrid_cos_thresh"] = hybrid_cos
+    if dynamic_input:
+        cfg["dynamic_input"] = json.loads(dynamic_input)
+    _check(rk.config(**cfg), "config")
+    _check(rk.load_onnx(model=str(onnx_path)), "load_onnx")
+    dataset = None
+    if quant == "w8a8":
+        calib = _load_samples(Path(calibration), in_names, "calibration")
+        dataset = str(_write_dataset(calib, workdir))
+    # auto_hybrid: the toolkit runs the calibration set through the fp32 and the
+    # quantized graph and keeps in fp16 the ops whose output cosine falls below
+    # auto_hybrid_cos_thresh; the rest stays int8.
+    _check(rk.build(do_quantization=quant == "w8a8", dataset=dataset,
+                    auto_hybrid=hybrid_cos is not None), "build")
+
+
 def build(args: argparse.Namespace) -> dict:
     from rknn.api import RKNN
 
     onnx_path, out_path = Path(args.onnx), Path(args.out)
     in_names, out_names = _graph_io(onnx_path)
-    if args.quant == "w8a8" and not args.calibration:
-        raise BuildFailure("config", "w8a8 needs a calibration set of real inputs")
     result: dict = {"ok": False, "quant": args.quant, "target": args.target,
                     "inputs": in_names, "outputs": out_names}
     rk = RKNN(verbose=args.verbose)
     try:
         with tempfile.TemporaryDirectory(prefix="rknn-build-") as tmp:
-            cfg = {"target_platform": args.target}
-            if args.quant == "w8a8":
-                cfg.update(quantized_dtype="w8a8", quantized_method="channel",
-                           quantized_algorithm=args.algorithm)
-                if args.hybrid_cos is not None:
-                    cfg["auto_hybrid_cos_thresh"] = args.hybrid_cos
-            if args.dynamic_input:
-                cfg["dynamic_input"] = json.loads(args.dynamic_input)
-            _check(rk.config(**cfg), "config")
             t0 = time.perf_counter()
-            _check(rk.load_onnx(model=str(onnx_path)), "load_onnx")
-            t1 = time.perf_counter()
-            dataset = None
-            if args.quant == "w8a8":
-                calib = _load_samples(Path(args.calibration), in_names, "calibration")
-                dataset = str(_write_dataset(calib, Path(tmp)))
-            # auto_hybrid: the toolkit runs the calibration set through the fp32 and the
-            # quantized graph and keeps in fp16 the ops whose output cosine falls below
-            # auto_hybrid_cos_thresh; the rest stays int8.
-            _check(rk.build(do_quantization=args.quant == "w8a8", dataset=dataset,
-                            auto_hybrid=args.hybrid_cos is not None), "build")
+            configure_and_build(rk, onnx_path, in_names, quant=args.quant,
+                                target=args.target, algorithm=args.algorithm,
+                                hybrid_cos=args.hybrid_cos, dynamic_input=args.dynamic_input,
+                                calibration=args.calibration, workdir=Path(tmp))
             t2 = time.perf_counter()
             partial = out_path.parent / f".{out_path.stem}.{os.getpid()}.partial.rknn"
             try:
@@ -140,7 +150,7 @@ def build(args: argparse.Namespace) -> dict:
                 os.replace(partial, out_path)
             finally:
                 partial.unlink(missing_ok=True)
-            result.update(load_s=t1 - t0, build_s=t2 - t1, bytes=out_path.stat().st_size)
+            result.update(build_s=t2 - t0, bytes=out_path.stat().st_size)
             if args.simulate:
                 _check(rk.init_runtime(), "init_runtime")
                 t3 = time.perf_counter()

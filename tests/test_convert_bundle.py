@@ -25,13 +25,16 @@ TOKENIZER = FIXTURES / "tokenizer" / "compact" / "tokenizer.json"
 TOL = 1e-2
 GREEDY_STEPS = 32
 QUANT_POSITIONS = 256
-# Stated bound for int4 experts + w8a8-simulated stages on the tiny random checkpoints.
-# Measured (256 teacher-forced positions): top-1 agreement 0.13 / 0.23 / 0.23 and mean KL
-# 0.45 / 0.24 / 0.32 (lora_hfsave / plainq_released / lora_hfmodule_bf16). These random
-# 32-wide models are chaotic: adding 1 % relative noise to the expert outputs of the
-# *float* model alone drops top-1 agreement to 0.86, while every w8a8 stage keeps cosine
-# >= 0.968 against its float graph (test_w8a8_twin_per_stage_cosine). The bound below
-# catches gross breakage; the per-stage figures are the meaningful accuracy check.
+# Stated bound for int4 experts + w8a8 stages as the QDQ *twin* (the host mock) on the tiny
+# random checkpoints; the same figure with the toolkit's own quantizer (simulator) is
+# tests/test_simulator_bundle.py::test_quantized_end_to_end_in_simulator, the split by
+# component tests/bench/bench_quant_divergence.py.
+# Measured (256 teacher-forced positions): top-1 agreement 0.13 / 0.22 / 0.22 and mean KL
+# 0.46 / 0.28 / 0.32 (lora_hfsave / plainq_released / lora_hfmodule_bf16); the twin is
+# coarser than the toolkit (stage cosine >= 0.95 vs >= 0.99). These random 32-wide models
+# are chaotic: 1 % relative noise on the float model's expert outputs alone drops top-1 to
+# 0.82-0.89. The bound below catches gross breakage; per-stage figures and the simulator
+# figure are the accuracy checks.
 MIN_TOP1_AGREEMENT = 0.10
 MAX_MEAN_KL = 0.6
 # onnxruntime's QDQ twin (min/max ranges, uint8 activations) on 16 calibration pieces of

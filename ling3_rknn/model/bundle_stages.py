@@ -36,6 +36,17 @@ class GraphStages:
         self._embed_shape = (config.vocab_size, config.hidden_size)
         self.calls = 0  # graph executions, for the NPU-calls-per-token figure
 
+    def replace_executors(self, executors: Mapping[str, GraphExecutor]) -> None:
+        """Swap in other executors for named stages (same specs): host-side evaluation
+        runs the dense work through rknn-toolkit2's simulator this way. The replaced ones
+        are closed."""
+        unknown = sorted(set(executors) - set(self._ex))
+        if unknown:
+            raise KeyError(f"no such stages: {unknown}")
+        for name, ex in executors.items():
+            self._ex[name].close()
+            self._ex[name] = ex
+
     def run(self, name: str, *inputs: np.ndarray) -> dict[str, np.ndarray]:
         """Inputs ``[T, width]`` -> outputs ``[T, width]`` by output name."""
         ex = self._ex[name]
