@@ -48,6 +48,11 @@ LATENT_NORM_EPS = 1e-6  # transformers' class default for q_a / kv_a norms (stag
 # inside this range: at -16, |g| = 5.6e-7 per token (a decay of 0.98 after 32K tokens,
 # against 1.0), at 6, g is 99.75 % of lb. Clipped, the step is 0.086 (+-4.3 %).
 FORGET_LOGIT_RANGE = (-16.0, 6.0)
+# rknn-toolkit2 2.5.0 leaves the transposed copy of a MatMul wider than ~8192 output columns
+# on the board CPU (the 157184-wide lm_head: one CPU op per token); MatMuls of 8192 columns
+# (the remainder last) joined by one Concat compile with no CPU op (convert/README.md,
+# "Toolkit build cost at real width"; uneven pieces moved the Concat to the CPU).
+LM_HEAD_PIECE = 8192
 
 
 @dataclass(frozen=True)
@@ -200,11 +205,20 @@ def _output_tail(b: GraphBuilder, name: str, inputs: dict[str, int], x: str, y: 
 
 # --------------------------------------------------------------------------- the rest
 def final_graph(name: str, w: FinalWeights, cfg: ModelConfig,
-                weight_dtype: type = np.float32, external: Path | None = None
-                ) -> StageGraph:
+                weight_dtype: type = np.float32, external: Path | None = None,
+                piece: int = LM_HEAD_PIECE) -> StageGraph:
+    """Final norm + lm_head, the head cut into ``piece``-column MatMuls joined by one
+    Concat when the vocabulary is wider (``LM_HEAD_PIECE`` says why)."""
     b = GraphBuilder(name, weight_dtype, external)
     x = b.input("x", [1, T, cfg.hidden_size])
-    logits = b.linear(b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm"), w.lm_head, "lm_head")
+    u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
+    vocab = w.lm_head.shape[0]
+    if vocab <= piece:
+        logits = b.linear(u, w.lm_head, "lm_head")
+    else:
+        parts = [b.linear(u, w.lm_head[start:start + piece], f"lm_head.{n}")
+                 for n, start in enumerate(range(0, vocab, piece))]
+        logits = b.node("Concat", parts, "lm_head_concat", axis=-1)
     return _finish(b, name, {"x": cfg.hidden_size}, {"logits": logits})
 
 

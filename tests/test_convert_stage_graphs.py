@@ -114,6 +114,9 @@ def test_final_and_expert_graphs(weights: CheckpointWeights) -> None:
     fw = weights.final()
     close(run(final_graph("final", fw, cfg), x)["logits"],
           final_stage(x, fw, eps=cfg.rms_norm_eps))
+    split = final_graph("final", fw, cfg, piece=100)  # the real vocab's Concat form
+    assert [n.op_type for n in split.model.graph.node].count("MatMul") == 3
+    close(run(split, x)["logits"], final_stage(x, fw, eps=cfg.rms_norm_eps))
     layer = cfg.first_k_dense_replace
     gate_up, down = weights.expert(layer, 1)
     close(run(expert_graph("e", gate_up, down, cfg), x)["y"], swiglu(x, gate_up, down))
