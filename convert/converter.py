@@ -46,6 +46,7 @@ from ling3_rknn.model.weights import CheckpointWeights
 from ling3_rknn.npu.experts import PackedExperts
 
 log = logging.getLogger(__name__)
+QMOE_FORMATS = ("int4", "int8")  # expert formats run by onnxruntime's QMoE kernel
 
 # A .rknn written with build_rknn=False: only the host mock (which runs the ONNX twin) can
 # use it; the runtime refuses it on a board (``ling3_rknn.model.bundle_stages``).
@@ -66,7 +67,8 @@ class ConvertOptions:
     quant: str = "fp16"  # rk3588: fp16 | w8a8; cpu bundles are always fp32 ONNX
     experts: str = "int4"  # int4 | int8 | fp16
     calibration: Path | None = None
-    npu_budget: int | None = None  # bytes for NPU experts; None: what the window leaves
+    # bytes for NPU experts; None: what the window leaves for fp16 experts, 0 for QMoE ones
+    npu_budget: int | None = None
     chunk: int = 64
     tokenizer: Path | None = None
     chat_template: Path | None = None
@@ -487,7 +489,17 @@ def _place(calib: CalibrationData, cfg: ModelConfig, opts: ConvertOptions,
     per_weight = 2 if opts.quant == "fp16" else 1
     expert_bytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * per_weight
     dense = sum(stage_bytes.values())
-    budget = default_npu_budget(dense) if opts.npu_budget is None else opts.npu_budget
+    budget = opts.npu_budget
+    if budget is None and opts.experts in QMOE_FORMATS:
+        # QMoE's k is a graph attribute: a token whose selection is partly on the NPU still
+        # runs k experts on the CPU (the NPU ones at weight 0), so promoted experts cost NPU
+        # calls and save no CPU time. Per-k sessions (a prepacked weight copy each) and the
+        # weights as graph inputs (10x slower per call) were measured (convert/README.md).
+        log.info("no routed experts on the NPU by default with %s experts (QMoE runs k "
+                 "experts per token either way); pass --npu-budget to place some", opts.experts)
+        budget = 0
+    elif budget is None:
+        budget = default_npu_budget(dense)
     return plan_placement(calib.route_counts, calib.moe_layers, calib.tokens,
                           cfg.num_experts_per_tok, expert_bytes, budget, len(names), names,
                           max_calls_per_token=opts.max_calls_per_token)

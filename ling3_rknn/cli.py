@@ -112,7 +112,8 @@ def _add_convert(commands: Any) -> None:
                       help="prompts: JSONL (text or ids per line) or blank-line separated text")
     conv.add_argument("--npu-budget", type=parse_size, metavar="BYTES",
                       help="bytes for routed experts on the NPU (default: what the ~4 GB "
-                           "window leaves after the dense stages)")
+                           "window leaves after the dense stages for fp16 experts; 0 for "
+                           "int4/int8, whose QMoE kernel runs k experts per token anyway)")
     conv.add_argument("--chunk", type=_positive_int, default=64, help="prefill chunk size")
     conv.add_argument("--tokenizer", type=Path, metavar="FILE",
                       help="tokenizer.json (default HF_DIR/tokenizer.json)")

@@ -129,12 +129,23 @@ def test_bundle_on_rknnlite_mock_matches_transformers(fp_bundle) -> None:
     assert float(np.abs(rows[: n + 1] - float_rows[: n + 1]).max()) <= TOL
 
 
+def test_default_plan_keeps_qmoe_experts_on_the_cpu(tmp_path) -> None:
+    """QMoE runs k experts per token whatever the plan says, so by default int4/int8
+    bundles promote none; fp16 experts (which skip NPU-placed selections) do."""
+    fixture = ORACLE_FIXTURES[0]
+    for experts, promoted in (("int4", False), ("fp16", True)):
+        path = make_bundle(tmp_path, fixture, experts, quant="fp16", experts=experts)
+        manifest = json.loads((path / "manifest.json").read_text())
+        assert bool(manifest["placement"]["npu_experts"]) is promoted, experts
+
+
 def test_npu_experts_follow_the_plan(tmp_path) -> None:
     fixture = ORACLE_FIXTURES[0]
-    path = make_bundle(tmp_path, fixture, "b", quant="fp16", experts="int8")
+    path = make_bundle(tmp_path, fixture, "b", quant="fp16", experts="int8",
+                       npu_budget=1 << 30)
     manifest = json.loads((path / "manifest.json").read_text())
     npu = manifest["placement"]["npu_experts"]
-    assert npu, "the default budget promotes routed experts on a tiny model"
+    assert npu, "an explicit budget promotes routed experts on a tiny model"
     layer, ids = next(iter(npu.items()))
     assert f"layer.{layer}.expert.{ids[0]}" in manifest["stages"]
     MockRKNNLite.reset_stats()

@@ -226,3 +226,19 @@ def test_qmoe_graph_with_wrong_interface_is_rejected(tmp_path):
     (tmp_path / "broken.onnx").write_bytes(b"not a model")
     with pytest.raises(ExpertError, match="cannot load"):
         QMoeExperts(tmp_path / "broken.onnx", hidden_size=4, num_experts=2, top_k=1)
+
+
+def test_float_experts_skip_zero_weight_selections(weights):
+    """The plan's NPU experts reach the CPU kernel with weight 0: they must not be run
+    (a poisoned expert proves it) and the rest is unchanged."""
+    gate, up, down = (w.copy() for w in weights)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, D)).astype(np.float32)
+    ids, w = routing(rng, 5)
+    w[:, 0] = 0.0
+    poisoned = [e for e in np.unique(ids[:, 0]) if not (ids[:, 1:] == e).any()]
+    assert poisoned
+    gate[poisoned] = np.nan  # experts used only by zero-weight selections
+    got = FloatExperts(gate, up, down, top_k=K).run(x, ids, w)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, reference(x, ids, w, *weights), rtol=1e-5, atol=1e-6)

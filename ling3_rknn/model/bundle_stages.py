@@ -134,8 +134,9 @@ class BundleExperts:
         if not npu:
             return self._cpu[layer].run(x, ids, weights)
         on_npu = np.isin(ids, list(npu))
-        # NPU-placed selections get weight 0 on the CPU kernel (QMoE's k is fixed by the
-        # graph, so the selection itself stays; see the report for what this costs).
+        # NPU-placed selections get weight 0 on the CPU kernel: the float kernel skips
+        # them, QMoE (k fixed by the graph) still computes them, which is why the
+        # converter promotes no experts for int4/int8 unless told to (converter._place).
         if on_npu.all():
             out = np.zeros_like(x)
         else:

@@ -257,6 +257,9 @@ class FloatExperts:
         flat_ids = expert_ids.reshape(-1)
         token_of = np.repeat(np.arange(x.shape[0]), self._top_k)
         flat_w = expert_weights.reshape(-1).astype(np.float32)
+        # weight-0 selections add nothing (the plan's NPU experts arrive that way): skip
+        keep = flat_w != 0
+        flat_ids, token_of, flat_w = flat_ids[keep], token_of[keep], flat_w[keep]
         order = np.argsort(flat_ids, kind="stable")
         experts, starts = np.unique(flat_ids[order], return_index=True)
         bounds = [*starts.tolist(), len(order)]
