@@ -8,7 +8,10 @@ the same teacher-forced positions; and two controls on the *float* model itself,
 perturbed by relative Gaussian noise on the expert outputs or on every attention/FFN
 delta, to show how chaotic these random 32-wide models are (a trained model is not).
 
-    .venv/bin/python tests/bench/bench_quant_divergence.py [--positions 256]
+    .venv/bin/python tests/bench/bench_quant_divergence.py [--positions 256] \
+        [--checkpoint HF_DIR --tokenizer tokenizer.json]
+
+``--checkpoint`` runs another checkpoint (a trained one) instead of the three fixtures.
 
 Prints top-1 agreement and mean KL(float || variant) per fixture.
 """
@@ -89,8 +92,9 @@ def calibration_file(tmp: Path) -> Path:
     return path
 
 
-def run(fixture: str, ids: np.ndarray, tmp: Path) -> list[tuple[str, float, float]]:
-    src = ORACLE / fixture
+def run(src: Path, ids: np.ndarray, tmp: Path, tokenizer: Path
+        ) -> list[tuple[str, float, float]]:
+    fixture = src.name
     ref_model = Model.from_hf(src)
     ref = ref_model.forward(ids, ref_model.new_state())
     rows = []
@@ -100,7 +104,7 @@ def run(fixture: str, ids: np.ndarray, tmp: Path) -> list[tuple[str, float, floa
             out = tmp / f"{fixture}-{quant}-{experts}"
             convert(src, out, ConvertOptions(
                 quant=quant, experts=experts, chunk=16, block_size=16, calibration=calib,
-                calibration_samples=16, tokenizer=TOKENIZER, build_rknn=False,
+                calibration_samples=16, tokenizer=tokenizer, build_rknn=False,
                 npu_budget=0, progress=False))
             model = Model.from_bundle(out, executor="mock")
             rows.append((f"{quant} stages + {experts} experts",
@@ -121,13 +125,16 @@ def run(fixture: str, ids: np.ndarray, tmp: Path) -> list[tuple[str, float, floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, default=256)
+    ap.add_argument("--checkpoint", type=Path, help="HF checkpoint dir (default: the fixtures)")
+    ap.add_argument("--tokenizer", type=Path, default=TOKENIZER)
     args = ap.parse_args()
     ids = np.random.default_rng(11).integers(2, 256, args.positions)
+    sources = [args.checkpoint] if args.checkpoint else [ORACLE / f for f in FIXTURES]
     with tempfile.TemporaryDirectory(prefix="ling3-quantdiv-") as tmp:
-        for fixture in FIXTURES:
-            print(f"\n{fixture}: {args.positions} teacher-forced positions vs the float model")
+        for src in sources:
+            print(f"\n{src.name}: {args.positions} teacher-forced positions vs the float model")
             print(f"  {'variant':<40} {'top-1':>6} {'mean KL':>8}")
-            for name, agree, kl in run(fixture, ids, Path(tmp)):
+            for name, agree, kl in run(src, ids, Path(tmp), args.tokenizer):
                 print(f"  {name:<40} {agree:6.3f} {kl:8.4f}")
 
 
