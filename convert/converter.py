@@ -26,7 +26,7 @@ import onnx
 from safetensors.numpy import save_file
 
 from convert.calibration import CalibrationData, calibrate, load_prompts
-from convert.experts_quant import quantize_rows
+from convert.experts_quant import pack_experts
 from convert.placement import PlacementReport, default_npu_budget, plan_placement
 from convert.qmoe_graph import write_qmoe_layer
 from convert.stage_graphs import (
@@ -253,20 +253,13 @@ class _StageWriter:
 def _pack_layer(w: CheckpointWeights, layer: int, bits: int, block: int) -> PackedExperts:
     """One expert at a time, so a bf16 layer is never widened whole."""
     cfg = w.cfg
-    e, i, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    per = 8 // bits
-    fc1_w = np.empty((e, 2 * i, d // per), np.uint8)
-    fc1_s = np.empty((e, 2 * i, d // block), np.float32)
-    fc2_w = np.empty((e, d, i // per), np.uint8)
-    fc2_s = np.empty((e, d, i // block), np.float32)
-    for x in range(e):
+    i = cfg.moe_intermediate_size
+
+    def load(x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         gate_up, down = w.expert(layer, x)
-        gw, gs = quantize_rows(gate_up[:i], bits, block)
-        uw, us = quantize_rows(gate_up[i:], bits, block)
-        fc1_w[x, 0::2], fc1_w[x, 1::2] = gw, uw  # interleaved gate/up rows (QMoE swiglu)
-        fc1_s[x, 0::2], fc1_s[x, 1::2] = gs, us
-        fc2_w[x], fc2_s[x] = quantize_rows(down, bits, block)
-    return PackedExperts(bits, block, fc1_w, fc1_s, fc2_w, fc2_s)
+        return gate_up[:i], gate_up[i:], down
+
+    return pack_experts(cfg.num_experts, i, cfg.hidden_size, load, bits, block)
 
 
 def _write_experts(writer: BundleWriter, w: CheckpointWeights, layer: int, fmt: str,

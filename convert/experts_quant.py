@@ -7,6 +7,8 @@ absmax per block, the scheme the QMoE CPU kernel implies when no zero points are
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ling3_rknn.npu.experts import PackedExperts
@@ -59,17 +61,26 @@ def quantize_experts(
     if up.shape != (e, i, d) or down.shape != (e, d, i):
         raise ValueError(f"expert shapes disagree: gate {gate.shape} up {up.shape} "
                          f"down {down.shape}")
+    return pack_experts(e, i, d, lambda x: (gate[x], up[x], down[x]), bits, block_size)
+
+
+def pack_experts(count: int, inter: int, hidden: int,
+                 load: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+                 bits: int = 4, block_size: int = 32) -> PackedExperts:
+    """``load(x) -> (gate [I, D], up [I, D], down [D, I])`` of expert ``x``, called once per
+    expert, so the caller can read each one from a checkpoint just in time."""
     per_byte = 8 // bits
-    fc1_w = np.empty((e, 2 * i, d // per_byte), np.uint8)
-    fc1_s = np.empty((e, 2 * i, d // block_size), np.float32)
-    fc2_w = np.empty((e, d, i // per_byte), np.uint8)
-    fc2_s = np.empty((e, d, i // block_size), np.float32)
-    for x in range(e):
-        gw, gs = quantize_rows(gate[x], bits, block_size)
-        uw, us = quantize_rows(up[x], bits, block_size)
+    fc1_w = np.empty((count, 2 * inter, hidden // per_byte), np.uint8)
+    fc1_s = np.empty((count, 2 * inter, hidden // block_size), np.float32)
+    fc2_w = np.empty((count, hidden, inter // per_byte), np.uint8)
+    fc2_s = np.empty((count, hidden, inter // block_size), np.float32)
+    for x in range(count):
+        gate, up, down = load(x)
+        gw, gs = quantize_rows(gate, bits, block_size)
+        uw, us = quantize_rows(up, bits, block_size)
         fc1_w[x, 0::2], fc1_w[x, 1::2] = gw, uw  # interleave: row 2j gate j, 2j+1 up j
         fc1_s[x, 0::2], fc1_s[x, 1::2] = gs, us
-        fc2_w[x], fc2_s[x] = quantize_rows(down[x], bits, block_size)
+        fc2_w[x], fc2_s[x] = quantize_rows(down, bits, block_size)
     return PackedExperts(bits, block_size, fc1_w, fc1_s, fc2_w, fc2_s)
 
 
