@@ -78,22 +78,16 @@ def test_truncated_safetensors(tmp_path) -> None:
     assert_nothing_written(tmp_path)
 
 
-def test_wrong_config_model_type(tmp_path) -> None:
+@pytest.mark.parametrize("key,value,error,match", [
+    ("model_type", "llama", ConfigError, "model_type"),  # wrong config
+    ("moe_intermediate_size", 32, CheckpointError, "shape"),  # config disagrees with tensors
+])
+def test_bad_config(tmp_path, key, value, error, match) -> None:
     hf = copy_checkpoint(tmp_path)
     cfg = json.loads((hf / "config.json").read_text())
-    cfg["model_type"] = "llama"
+    cfg[key] = value
     (hf / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="model_type"):
-        convert(hf, tmp_path / "out", opts(tmp_path))
-    assert_nothing_written(tmp_path)
-
-
-def test_config_disagreeing_with_tensors(tmp_path) -> None:
-    hf = copy_checkpoint(tmp_path)
-    cfg = json.loads((hf / "config.json").read_text())
-    cfg["moe_intermediate_size"] = 32
-    (hf / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="shape"):
+    with pytest.raises(error, match=match):
         convert(hf, tmp_path / "out", opts(tmp_path))
     assert_nothing_written(tmp_path)
 
