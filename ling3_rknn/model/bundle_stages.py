@@ -33,7 +33,6 @@ class GraphStages:
         self._ex = dict(executors)
         self._w = weights
         self._chunk = chunk
-        self._embed_shape = (config.vocab_size, config.hidden_size)
         self.calls = 0  # graph executions, for the NPU-calls-per-token figure
 
     def replace_executors(self, executors: Mapping[str, GraphExecutor]) -> None:
