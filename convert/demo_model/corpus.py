@@ -1,0 +1,404 @@
+"""The demo model's synthetic corpus: conversations as OpenAI messages + tools.
+
+Every conversation is rendered by the project's own Bailing V3 renderer and encoded by
+the project's own tokenizer (``encode.py``), so the model learns exactly the byte stream
+the server will show it. What the mix teaches, and why:
+
+* tool conversations (weather, time, a two-parameter forecast with an enum), answered by
+  a call and then by an answer that quotes the result: the agent behaviour itself;
+* tools described in varied wording, key order and company (distractor tools), so the
+  behaviour does not hang on one schema text;
+* small talk, general questions and requests no tool fits, answered without a call, some
+  of them naming a city (so a city alone is no reason to call);
+* thinking on and off; follow-up turns after a finished tool loop;
+* short echo items (``Repeat after me: X``) and short single-tool chats: the copy skill
+  (see ``names.py``) needs many more name copies per second than full chats give.
+
+Everything is drawn from a ``random.Random`` the caller seeds, so a batch is a pure
+function of (seed, step) and training resumes exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from convert.demo_model.names import CityPools, MadeUpNames
+
+Message = dict[str, Any]
+
+
+@dataclass
+class Conversation:
+    messages: list[Message]
+    tools: list[dict] | None
+    thinking: bool
+
+
+# ----------------------------------------------------------------------------- tools
+_DESCRIPTIONS = {
+    "get_weather": (
+        "Get the current weather in a city.",
+        "Returns the current weather conditions for the given city.",
+        "Look up the weather right now in a city.",
+        "Current temperature and conditions for a location.",
+    ),
+    "get_time": (
+        "Get the current local time in a city.",
+        "Returns the local time for the given city.",
+        "Look up what time it is in a city.",
+        "Current local time for a location.",
+    ),
+    "get_forecast": (
+        "Get the weather forecast for a city.",
+        "Returns the forecast for the given city and day.",
+        "Weather forecast for a location on a given day.",
+    ),
+}
+_CITY_DESCRIPTIONS = (
+    "The city name, e.g. Paris", "Name of the city", "City to look up", "The city, e.g. Tokyo",
+    "A city name",
+)
+FORECAST_DAYS = ("today", "tomorrow", "weekend")
+_DISTRACTORS: tuple[dict, ...] = (
+    {"name": "get_stock_price", "description": "Get the latest price of a stock.",
+     "parameters": {"type": "object", "properties": {"symbol": {"type": "string",
+                    "description": "Ticker symbol, e.g. AAPL"}}, "required": ["symbol"]}},
+    {"name": "play_music", "description": "Play a song on the speaker.",
+     "parameters": {"type": "object", "properties": {"song": {"type": "string"}},
+                    "required": ["song"]}},
+    {"name": "translate_text", "description": "Translate text into another language.",
+     "parameters": {"type": "object", "properties": {"text": {"type": "string"},
+                    "target_language": {"type": "string"}}, "required": ["text",
+                                                                         "target_language"]}},
+    {"name": "search_recipes", "description": "Find recipes that use an ingredient.",
+     "parameters": {"type": "object", "properties": {"ingredient": {"type": "string"}},
+                    "required": ["ingredient"]}},
+)
+
+
+def _shuffled_dict(d: dict, rng: random.Random, p: float) -> dict:
+    items = list(d.items())
+    if rng.random() < p:
+        rng.shuffle(items)
+    return dict(items)
+
+
+def _param(rng: random.Random, kind: str) -> dict:
+    spec: dict[str, Any] = {"type": "string"}
+    if kind == "city" and rng.random() < 0.7:
+        spec["description"] = rng.choice(_CITY_DESCRIPTIONS)
+    if kind == "day":
+        spec["enum"] = list(FORECAST_DAYS)
+        if rng.random() < 0.6:
+            spec["description"] = rng.choice(("Which day", "The day of the forecast",
+                                              "Day to forecast"))
+    return _shuffled_dict(spec, rng, 0.4)
+
+
+def tool_schema(name: str, rng: random.Random, canonical: bool = False) -> dict:
+    """One OpenAI tool definition; ``canonical``: the plain wording an SDK user would write."""
+    params = ["city", "day"] if name == "get_forecast" else ["city"]
+    if canonical:
+        props = {"city": {"type": "string", "description": "The city name, e.g. Paris"}}
+        if name == "get_forecast":
+            props["day"] = {"type": "string", "enum": list(FORECAST_DAYS)}
+        function = {"name": name, "description": _DESCRIPTIONS[name][0],
+                    "parameters": {"type": "object", "properties": props,
+                                   "required": params}}
+        return {"type": "function", "function": function}
+    schema: dict[str, Any] = {"type": "object",
+                              "properties": {p: _param(rng, p) for p in params}}
+    if rng.random() < 0.8:
+        schema["required"] = params if rng.random() < 0.7 or len(params) == 1 else ["city"]
+    function = {"name": name, "parameters": _shuffled_dict(schema, rng, 0.3)}
+    if rng.random() < 0.9:
+        function["description"] = rng.choice(_DESCRIPTIONS[name])
+    return {"type": "function", "function": _shuffled_dict(function, rng, 0.5)}
+
+
+def tool_list(needed: list[str], rng: random.Random) -> list[dict]:
+    """The needed tools, maybe some of the other city tools and a distractor, shuffled."""
+    names = list(needed)
+    for other in ("get_weather", "get_time", "get_forecast"):
+        if other not in names and rng.random() < 0.5:
+            names.append(other)
+    tools = [tool_schema(n, rng) for n in names]
+    if rng.random() < 0.3:
+        tools.append({"type": "function", "function": dict(rng.choice(_DISTRACTORS))})
+    rng.shuffle(tools)
+    return tools
+
+
+# ------------------------------------------------------------------------- phrasings
+WEATHER_QUESTIONS = (
+    "What's the weather in {c}?", "What is the weather like in {c}?", "How's the weather in {c}?",
+    "Weather in {c}?", "Tell me the weather for {c}.", "Is it raining in {c}?",
+    "Can you check the weather in {c}?", "What's it like outside in {c} right now?",
+    "How warm is it in {c}?", "Current weather for {c}, please.", "weather {c}",
+    "I'm heading to {c}. What's the weather there?", "Do I need an umbrella in {c} today?",
+    "What temperature is it in {c}?", "Could you look up the weather in {c}?",
+)
+TIME_QUESTIONS = (
+    "What time is it in {c}?", "What's the time in {c}?", "Tell me the local time in {c}.",
+    "Current time in {c}?", "time in {c}", "Can you check what time it is in {c}?",
+    "I need to call someone in {c}. What time is it there?", "What's the local time in {c}?",
+    "Is it late in {c} right now?", "Could you tell me the time in {c}?",
+)
+FORECAST_QUESTIONS = {
+    "today": ("What's the forecast for {c} today?", "Forecast for {c} today?",
+              "Will it rain in {c} later today?"),
+    "tomorrow": ("What's the forecast for {c} tomorrow?", "Weather tomorrow in {c}?",
+                 "What will the weather be like in {c} tomorrow?"),
+    "weekend": ("What's the forecast for {c} this weekend?", "Weekend weather in {c}?",
+                "How will the weather be in {c} over the weekend?"),
+}
+# Never used in training: the evaluation asks with these.
+EVAL_WEATHER_QUESTIONS = (
+    "Please tell me the current weather in {c}.", "How is the weather today in {c}?",
+    "What are the weather conditions in {c}?", "Check the weather in {c} for me.",
+)
+EVAL_TIME_QUESTIONS = (
+    "Please tell me what time it is in {c}.", "What is the current time in {c}?",
+    "Check the local time in {c} for me.", "What hour is it in {c} now?",
+)
+CONDITIONS = ("sunny", "cloudy", "rainy", "snowy", "windy", "foggy", "clear", "stormy",
+              "overcast", "partly cloudy", "light rain", "humid")
+SYSTEM_LINES = (
+    "You are a helpful assistant.", "You are a helpful assistant. Be concise.",
+    "You are a friendly assistant that can check the weather and the time.",
+    "You are Ling, a small assistant running on a Rockchip board.",
+    "Answer briefly.",
+)
+
+
+def weather_result(rng: random.Random, city: str) -> tuple[str, list[str], dict]:
+    """(tool result text, the parts an answer must quote, answer fields)."""
+    t, cond = rng.randint(-25, 42), rng.choice(CONDITIONS)
+    form = rng.random()
+    if form < 0.55:
+        text = f"{t} degrees C, {cond}"
+    elif form < 0.8:
+        text = f'{{"temperature_c": {t}, "condition": "{cond}"}}'
+    else:
+        text = f"{cond}, {t}°C"
+    return text, [str(t), cond], {"t": t, "cond": cond, "c": city}
+
+
+def time_result(rng: random.Random, city: str) -> tuple[str, list[str], dict]:
+    hhmm = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+    form = rng.random()
+    text = hhmm if form < 0.6 else (f'{{"time": "{hhmm}"}}' if form < 0.85 else
+                                     f"{hhmm} local time")
+    return text, [hhmm], {"hhmm": hhmm, "c": city}
+
+
+def forecast_result(rng: random.Random, city: str, day: str) -> tuple[str, list[str], dict]:
+    lo = rng.randint(-20, 30)
+    hi, cond = lo + rng.randint(1, 12), rng.choice(CONDITIONS)
+    text = f"{day}: {cond}, high {hi} C, low {lo} C"
+    return text, [cond, str(hi), str(lo)], {"cond": cond, "hi": hi, "lo": lo, "c": city,
+                                            "d": day}
+
+
+WEATHER_ANSWERS = (
+    "It is {t} degrees C and {cond} in {c}.", "The weather in {c}: {t} degrees C, {cond}.",
+    "{c} is {cond} at {t} degrees C right now.", "Right now in {c} it is {cond}, {t} degrees C.",
+)
+TIME_ANSWERS = (
+    "The local time in {c} is {hhmm}.", "It is {hhmm} in {c} right now.",
+    "In {c} it is currently {hhmm}.",
+)
+FORECAST_ANSWERS = (
+    "The forecast for {c} ({d}): {cond}, high {hi} C, low {lo} C.",
+    "{c} {d}: {cond}, with a high of {hi} C and a low of {lo} C.",
+)
+
+
+@dataclass
+class ToolTask:
+    tool: str
+    arguments: dict[str, str]
+    question: str
+    result: str
+    quote: list[str]
+    answer: str
+    reasoning_call: str = ""
+    reasoning_answer: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def tool_task(rng: random.Random, city: str, tool: str | None = None,
+              questions: dict[str, tuple[str, ...]] | None = None) -> ToolTask:
+    tool = tool or rng.choices(("get_weather", "get_time", "get_forecast"), (5, 4, 2))[0]
+    if tool == "get_forecast":
+        day = rng.choice(FORECAST_DAYS)
+        question = rng.choice(FORECAST_QUESTIONS[day]).format(c=city)
+        result, quote, fields = forecast_result(rng, city, day)
+        answer = rng.choice(FORECAST_ANSWERS).format(**fields)
+        arguments = {"city": city, "day": day}
+        what = f"the {day} forecast for {city}"
+    else:
+        pool = (questions or {}).get(tool) or (
+            WEATHER_QUESTIONS if tool == "get_weather" else TIME_QUESTIONS)
+        question = rng.choice(pool).format(c=city)
+        maker = weather_result if tool == "get_weather" else time_result
+        result, quote, fields = maker(rng, city)
+        answer = rng.choice(WEATHER_ANSWERS if tool == "get_weather" else TIME_ANSWERS
+                            ).format(**fields)
+        arguments = {"city": city}
+        what = ("the weather in " if tool == "get_weather" else "the time in ") + city
+    return ToolTask(
+        tool, arguments, question, result, quote, answer,
+        reasoning_call=f"The user asks for {what}. I will call {tool}.",
+        reasoning_answer=f"The tool returned {result}. I will tell the user.",
+    )
+
+
+# --------------------------------------------------------------- answers without a tool
+_GREETINGS = ("Hi", "Hello!", "Hey there", "Good morning", "Good evening!", "hello",
+              "Hi, how are you?", "Hey!")
+_GREETING_ANSWERS = ("Hello! How can I help you today?", "Hi! What can I do for you?",
+                     "Hello! I can check the weather or the time in any city.")
+_IDENTITY = ("Who are you?", "What can you do?", "What are you?", "What is your name?",
+             "Can you help me?", "What tools do you have?")
+_IDENTITY_ANSWERS = (
+    "I am Ling, a small demo assistant. I can look up the weather and the local time in a "
+    "city.", "I can check the current weather and the local time in any city you name.")
+_THANKS = ("Thanks!", "Thank you.", "Great, thanks.", "thanks a lot", "Perfect, thank you!",
+           "OK, thanks.")
+_THANKS_ANSWERS = ("You're welcome!", "Glad I could help.", "Anytime!",
+                   "You're welcome. Anything else?")
+_JOKES = ("Tell me a joke.", "Say something funny.", "Do you know a joke?")
+_JOKE_ANSWERS = (
+    "Why did the cloud stay home? It was feeling a little under the weather.",
+    "What does a clock do when it is hungry? It goes back four seconds.",
+)
+_UNSUPPORTED = (
+    "Send an email to {p}.", "Book a flight to {c}.", "Order a pizza for me.",
+    "Set an alarm for 7 am.", "Call {p} for me.", "Buy two tickets to {c}.",
+    "Turn off the lights.", "Remind me to call {p} tomorrow.", "Find a hotel in {c}.",
+    "Translate this into French: good night.",
+)
+_UNSUPPORTED_ANSWERS = (
+    "Sorry, I can't do that. None of my tools can help with it.",
+    "I can't help with that: I can only check the weather and the local time.",
+    "None of the available functions can do that, so I can't help with it.",
+)
+_PEOPLE = ("my boss", "Anna", "my mom", "Tom", "the team", "Maria", "David")
+
+
+def _small_talk(rng: random.Random, pools: CityPools) -> tuple[str, str]:
+    kind = rng.random()
+    if kind < 0.15:
+        return rng.choice(_GREETINGS), rng.choice(_GREETING_ANSWERS)
+    if kind < 0.25:
+        return rng.choice(_IDENTITY), rng.choice(_IDENTITY_ANSWERS)
+    if kind < 0.32:
+        return rng.choice(_JOKES), rng.choice(_JOKE_ANSWERS)
+    if kind < 0.47:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op = rng.choice(("plus", "+", "times", "minus"))
+        value = {"plus": a + b, "+": a + b, "times": a * b, "minus": a - b}[op]
+        return (rng.choice(("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b}"))
+                .format(a=a, op=op, b=b), f"{a} {op} {b} is {value}.")
+    if kind < 0.64:
+        country = rng.choice(sorted(pools.capitals))
+        return (rng.choice(("What is the capital of {y}?", "Capital of {y}?",
+                            "Which city is the capital of {y}?")).format(y=country),
+                f"The capital of {country} is {pools.capitals[country]}.")
+    if kind < 0.8:
+        city = rng.choice(pools.famous if rng.random() < 0.5 else pools.train)
+        country = pools.countries.get(city)
+        if country:
+            return (rng.choice(("Which country is {c} in?", "Where is {c}?",
+                                "In which country is {c}?")).format(c=city),
+                    f"{city} is in {country}.")
+    text = rng.choice(_UNSUPPORTED).format(p=rng.choice(_PEOPLE), c=rng.choice(pools.famous))
+    return text, rng.choice(_UNSUPPORTED_ANSWERS)
+
+
+def _assistant(content: str, reasoning: str, thinking: bool, calls: list | None = None
+               ) -> Message:
+    msg: Message = {"role": "assistant", "content": content}
+    if thinking:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+# ------------------------------------------------------------------------ generators
+class CorpusSampler:
+    """Draws conversations; ``rng`` is passed per call so a batch depends only on its seed."""
+
+    def __init__(self, pools: CityPools) -> None:
+        self.pools = pools
+        self.made_up = MadeUpNames(pools.train, avoid=pools.reserved)
+        self._call_id = 0
+
+    def city(self, rng: random.Random) -> str:
+        r = rng.random()
+        if r < 0.15:
+            return rng.choice(self.pools.famous)
+        if r < 0.65:
+            return rng.choice(self.pools.train)
+        return self.made_up.name(rng)
+
+    def _exchange(self, rng: random.Random, thinking: bool, task: ToolTask) -> list[Message]:
+        self._call_id += 1
+        call_id = f"call_{rng.getrandbits(40):010x}"
+        call = {"id": call_id, "type": "function",
+                "function": {"name": task.tool, "arguments": dict(task.arguments)}}
+        return [
+            {"role": "user", "content": task.question},
+            _assistant("", task.reasoning_call, thinking, [call]),
+            {"role": "tool", "tool_call_id": call_id, "content": task.result},
+            _assistant(task.answer, task.reasoning_answer, thinking),
+        ]
+
+    def _plain(self, rng: random.Random, thinking: bool) -> list[Message]:
+        question, answer = _small_talk(rng, self.pools)
+        reasoning = "No tool is needed for this. I will answer directly."
+        return [{"role": "user", "content": question}, _assistant(answer, reasoning, thinking)]
+
+    def full(self, rng: random.Random) -> Conversation:
+        """A chat with the whole tools prompt: 1-3 exchanges, mostly tool loops."""
+        thinking = rng.random() < 0.5  # the server's default is thinking on
+        messages: list[Message] = []
+        if rng.random() < 0.5:
+            messages.append({"role": "system", "content": rng.choice(SYSTEM_LINES)})
+        needed: list[str] = []
+        for _ in range(rng.choices((1, 2, 3), (60, 30, 10))[0]):
+            if rng.random() < 0.78:
+                task = tool_task(rng, self.city(rng))
+                needed.append(task.tool)
+                messages += self._exchange(rng, thinking, task)
+            else:
+                messages += self._plain(rng, thinking)
+        tools = tool_list(sorted(set(needed)) or [rng.choice(("get_weather", "get_time"))],
+                          rng)
+        return Conversation(messages, tools, thinking)
+
+    def short(self, rng: random.Random) -> Conversation:
+        """Short items without the long tools prompt: echo copies and one-tool chats."""
+        if rng.random() < 0.4:
+            return self.echo(rng)
+        thinking = rng.random() < 0.4
+        task = tool_task(rng, self.city(rng))
+        minimal = {"type": "function", "function": {"name": task.tool, "parameters": {
+            "type": "object", "properties": {k: {"type": "string"} for k in task.arguments}}}}
+        return Conversation(self._exchange(rng, thinking, task), [minimal], thinking)
+
+    def echo(self, rng: random.Random) -> Conversation:
+        """``Repeat after me: X`` -> ``X``: pure copying of 1-3 names (the warm-up task),
+        mostly made up, so that copying is the only way to the answer."""
+        count = rng.choices((1, 2, 3), (60, 25, 15))[0]
+        names = [self.made_up.name(rng) if rng.random() < 0.7 else self.city(rng)
+                 for _ in range(count)]
+        text = ", ".join(names)
+        prompt = rng.choice(("Repeat after me: {x}", "Say {x}", "Please repeat: {x}",
+                             "Echo this: {x}", "Copy exactly: {x}"))
+        return Conversation([{"role": "user", "content": prompt.format(x=text)},
+                             {"role": "assistant", "content": text}], None, False)
