@@ -20,6 +20,12 @@ TOOL = {
 }
 
 
+CALLS = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": f"call_{i}", "type": "function",
+     "function": {"name": "read", "arguments": f'{{"path": "{i}.py"}}'}} for i in (1, 2)]}
+RESULT_1 = {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"}
+
+
 def body(**extra):
     return {"model": "ling-3.0-tiny", "messages": [USER], **extra}
 
@@ -215,6 +221,16 @@ def test_unknown_keys_are_rejected_by_path(payload, param):
         (body(reasoning_effort="max"), "reasoning_effort", "expected one of"),
         (body(metadata={"a": 1}), "metadata.a", "string"),
         (body(parallel_tool_calls=1), "parallel_tool_calls", "boolean"),
+        (body(prompt_cache_retention="forever"), "prompt_cache_retention", "expected one of"),
+        (body(messages=[{"role": "tool", "tool_call_id": "call_1", "content": "r"}]),
+         "messages[0]", "must answer a tool call"),
+        (body(messages=[USER, {"role": "assistant", "content": "hi"},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "r"}]),
+         "messages[2]", "must answer a tool call"),
+        (body(messages=[USER, CALLS, {"role": "tool", "tool_call_id": "call_9", "content": "r"}]),
+         "messages[2].tool_call_id", "'call_9' is not the id"),
+        (body(messages=[USER, CALLS, RESULT_1, USER, RESULT_1]),
+         "messages[4]", "must answer a tool call"),
     ],
 )
 def test_invalid_values_name_the_param(payload, param, fragment):
@@ -241,3 +257,18 @@ def test_tool_choice_none_and_null_tools():
     assert parse_chat_request(body(tools=None, tool_choice=None)).tools is None
     assert parse_chat_request(body(tools=[], tool_choice="none")).tool_choice == "none"
     assert parse_chat_request(body(parallel_tool_calls=False)).parallel_tool_calls is False
+
+
+def test_tool_results_answer_the_calls_before_them():
+    results = [RESULT_1, {"role": "tool", "tool_call_id": "call_2", "content": "print(2)"}]
+    request = parse_chat_request(body(messages=[USER, CALLS, *results]))
+    assert [m["role"] for m in request.messages] == ["user", "assistant", "tool", "tool"]
+    no_ids = {"role": "assistant", "tool_calls": [{"function": {"name": "read"}}]}
+    parse_chat_request(body(messages=[USER, no_ids, RESULT_1]))  # nothing to match against
+
+
+def test_prompt_cache_hints_are_accepted():
+    """pi with PI_CACHE_RETENTION=long sends both; OpenAI SDK users send safety_identifier."""
+    request = parse_chat_request(body(prompt_cache_key="session-1", prompt_cache_retention="24h",
+                                      safety_identifier="user-hash"))
+    assert request.messages == [USER]

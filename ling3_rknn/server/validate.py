@@ -373,6 +373,11 @@ _TOP_LEVEL: dict[str, Check] = {
     "store": _nullable(_boolean),
     "metadata": _nullable(_string_map),
     "user": _nullable(_string),
+    "safety_identifier": _nullable(_string),
+    # OpenAI's prompt-cache hints (pi sends both with PI_CACHE_RETENTION=long). This
+    # server's prefix cache keys on the tokens themselves, so neither changes what hits.
+    "prompt_cache_key": _nullable(_string),
+    "prompt_cache_retention": _nullable(_one_of("in-memory", "in_memory", "24h")),
 }
 
 
@@ -393,10 +398,33 @@ def _duplicate_tool_names(tools: list[dict[str, Any]]) -> None:
         seen.add(name)
 
 
+def _tool_results_answer_calls(messages: list[dict[str, Any]]) -> None:
+    """A ``tool`` message answers a call of the assistant message before it (other tool
+    results may sit between them), by the id the server gave that call; OpenAI refuses
+    anything else, and the template would render an orphan result as if it answered."""
+    calls: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        role = msg["role"]
+        if role == "assistant":
+            calls = msg.get("tool_calls") or []
+        elif role == "tool":
+            if not calls:
+                _fail(f"messages[{i}]", "a 'tool' message must answer a tool call of the "
+                                        "assistant message before it")
+            ids = {c["id"] for c in calls if c.get("id")}
+            if ids and msg["tool_call_id"] not in ids:  # calls without ids match any result
+                _fail(f"messages[{i}].tool_call_id",
+                      f"{msg['tool_call_id']!r} is not the id of a tool call of the "
+                      "assistant message before it")
+        else:
+            calls = []
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a decoded JSON body; raise ``ApiError`` (400) naming the offending param."""
     try:
         fields = _object(body, "", _TOP_LEVEL, ("model", "messages"))
+        _tool_results_answer_calls(fields["messages"])
         tools = fields.get("tools") or None
         if tools:
             _duplicate_tool_names(tools)
