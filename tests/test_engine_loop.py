@@ -141,6 +141,9 @@ async def test_max_tokens_and_context_limit_give_length(tok):
     with engine:
         _, fin = await collect(engine, GenerationRequest(prompt(), GREEDY))
         assert fin.finish_reason == "length" and fin.usage.completion_tokens == 2
+        # max_tokens beyond the room left is clamped to it (README), however large
+        _, fin = await collect(engine, GenerationRequest(prompt(), GREEDY, max_tokens=10**23))
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == 2
 
 
 async def test_typed_errors_before_the_first_event(tok):
