@@ -672,3 +672,23 @@ async def test_engine_that_stopped_being_ready_is_503(engine):
     assert status == 503 and headers["Retry-After"]
     assert error_of(text)["code"] == "model_unavailable"
     assert health == (503, {"status": "unavailable"})
+
+
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"zz\r\n{}\r\n0\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
+], ids=["bad-content-length", "bad-chunk-size", "70KB-header"])
+async def test_malformed_http_is_a_400_and_one_warning_line(raw, caplog):
+    async with running_server(ScriptedEngine()) as srv:
+        host, port = srv.base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(raw)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(64), 10)
+        writer.close()
+    assert head.startswith(b"HTTP/1.0 400") or head.startswith(b"HTTP/1.1 400")
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.levelname == "WARNING" and r.exc_info is None for r in records)
+    assert "malformed HTTP" in records[0].getMessage()

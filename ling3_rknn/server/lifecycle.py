@@ -11,6 +11,7 @@ import signal
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ling3_rknn.engine.api import EngineProtocol
 from ling3_rknn.server.state import CONFIG, ENGINE, RUNNING, STATE
@@ -67,6 +68,21 @@ def loader_context(
     return context
 
 
+class _ProtocolLog(logging.LoggerAdapter):
+    """aiohttp's connection logger: a client's malformed HTTP (bad Content-Length or chunk
+    size, a 70 KB header line) already got its 400 from aiohttp and is one warning line,
+    not an error with a stack; anything else aiohttp reports keeps its traceback."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True,
+                  **kwargs: object) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        if isinstance(exc, HttpProcessingError):
+            detail = (exc.message or type(exc).__name__).splitlines()[0][:200]
+            self.logger.warning(f"{msg}: malformed HTTP ({exc.code}: {detail})", *args)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)  # type: ignore[arg-type]
+
+
 @contextlib.asynccontextmanager
 async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
     """Serve ``app`` until the block exits; yields the bound port (``port=0`` picks one)."""
@@ -74,6 +90,7 @@ async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[i
         app,
         handler_cancellation=True,  # a client that goes away cancels its generation
         access_log=None,  # the envelope middleware logs every request with its id
+        logger=_ProtocolLog(logging.getLogger("aiohttp.server"), {}),
         shutdown_timeout=app[CONFIG].shutdown_timeout_s,
     )
     await runner.setup()
