@@ -394,17 +394,23 @@ async def test_engine_refusals_before_output(engine, stream, fail, status, code)
     assert error_of(text)["code"] == code
 
 
-async def test_engine_failure_mid_stream_is_an_error_event(engine):
+async def test_engine_failure_mid_stream_is_an_error_event(engine, caplog):
     engine.push("a", "b", "c", "d", fail="failure_mid")
     async with running_server(engine) as srv, aiohttp.ClientSession() as s:
-        status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body(stream=True))
+        status, headers, text = await post(s, srv.v1 + "/chat/completions",
+                                           chat_body(stream=True))
         whole = await post(s, srv.v1 + "/chat/completions", chat_body())
     assert status == 200
     events, _ = parse_sse(text)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "error" in events[-1]
     assert events[-1]["error"]["type"] == "server_error"
-    assert "NPU timeout" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["code"] == "engine_failure"
+    # the internal text stays in the log; the error sent after a 200 is logged too
+    assert "NPU timeout" not in events[-1]["error"]["message"]
+    log = caplog.text
+    assert "engine failure: NPU timeout" in log
+    assert f"{headers['X-Request-Id']} stream ended with error 500 engine_failure" in log
     assert "[DONE]" not in events
     assert whole[0] == 200  # the next request is served
 

@@ -121,20 +121,20 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             await writer.send(chunks.role())
             await _stream_events(request, writer, chunks, completion, first, started)
         except ApiError as exc:
-            await _send_error(writer, exc)
+            await _send_error(writer, exc, request[RID])
         except asyncio.CancelledError:
             if not app[STATE].get("stopping"):
                 raise
             # Our own shutdown cancelled the generation: tell the client and end the stream
             # cleanly instead of cutting the connection.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_send_error(writer, shutdown_error()), 1.0)
+                await asyncio.wait_for(_send_error(writer, shutdown_error(), request[RID]), 1.0)
         except ConnectionError:
             metrics.disconnects.inc()
             return response
         except Exception:
             log.exception("stream %s failed", request[RID])
-            await _send_error(writer, errors.internal(request[RID]))
+            await _send_error(writer, errors.internal(request[RID]), request[RID])
         finally:
             await writer.stop_keep_alive()
         with contextlib.suppress(ConnectionError):
@@ -147,9 +147,12 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             await first  # always retrieved, so no "exception was never retrieved" at exit
 
 
-async def _send_error(writer: SseWriter, error: ApiError) -> None:
+async def _send_error(writer: SseWriter, error: ApiError, request_id: str) -> None:
     """Errors after the headers went out are an ``error`` event (serving-protocol.md 3.3);
-    a client that is already gone does not need one."""
+    a client that is already gone does not need one. The access log says 200 for such a
+    stream, so the error is logged here."""
+    log.warning("%s stream ended with error %d %s: %s", request_id, error.status,
+                error.code or error.type, error.message)
     with contextlib.suppress(ConnectionError):
         await writer.send(error.body())
 

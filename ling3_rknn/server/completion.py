@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from ling3_rknn.engine.api import (
 )
 from ling3_rknn.server.errors import ApiError, busy, context_length_exceeded, invalid_request
 from ling3_rknn.server.validate import ChatRequest
+
+log = logging.getLogger("ling3_rknn.server")
 
 # The model sometimes spells its end-of-turn marker as ordinary text tokens instead of the
 # control token; treating the text as a stop string ends the turn either way.
@@ -66,8 +69,13 @@ CompletionEvent = ReasoningOut | ContentOut | ToolCallOut | DoneOut
 
 
 def engine_failure(exc: EngineFailure) -> ApiError:
-    """The model or NPU failed; the engine stays usable, so a retry may succeed."""
-    return ApiError(500, f"The model failed: {exc}", type="server_error", code="engine_failure")
+    """The model or NPU failed; the engine stays usable, so a retry may succeed. The
+    client gets no internal exception text (it may name files or memory addresses); the
+    log has it."""
+    log.error("engine failure: %s", exc)
+    return ApiError(500, "The model failed while generating this answer; the server is "
+                         "still up and the request can be retried.",
+                    type="server_error", code="engine_failure")
 
 
 def render_prompt(request: ChatRequest) -> Sequence[SegmentLike]:
