@@ -51,6 +51,18 @@ CONTROL_TOKEN_NAMES: tuple[str, ...] = (
     "</tool_response>",
 )
 EOS_NAME = "<|role_end|>"
+# The special tokens an assistant turn may contain (reasoning and tool-call markup); the
+# chat parser reads them. Any other special token in generated output ends the turn.
+ANSWER_MARKERS: tuple[str, ...] = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
 
 
 class TokenizerError(ValueError):
@@ -243,6 +255,17 @@ class Tokenizer:
     @property
     def eos_id(self) -> int:
         return self._special_ids[EOS_NAME]
+
+    @property
+    def turn_ending_ids(self) -> frozenset[int]:
+        """Special tokens that end a generated turn: every one but ``ANSWER_MARKERS``.
+
+        A model that writes ``<role>``, ``<tool_response>`` or ``<|endoftext|>`` is writing
+        past its own turn (a role header, a tool result it made up, end of text); the turn
+        ends there as at ``<|role_end|>``, and the token never reaches the client as text.
+        """
+        answer = {self._special_ids[n] for n in ANSWER_MARKERS if n in self._special_ids}
+        return self._forbidden_ids - answer
 
     @property
     def vocab_size(self) -> int:

@@ -51,8 +51,9 @@ def prompt(user: str = "say hello", system: str = "be brief") -> list[Segment]:
     ]
 
 
-def make_engine(tok, answer_text="hello world", **kw) -> tuple[Engine, ScriptedModel]:
-    answer = tok.encode_text(answer_text)
+def make_engine(tok, answer_text="hello world", answer_ids=None, **kw
+                ) -> tuple[Engine, ScriptedModel]:
+    answer = tok.encode_text(answer_text) if answer_ids is None else answer_ids
     close = tok.special_ids["</role>"]
     model = ScriptedModel(
         tok.vocab_size,
@@ -454,3 +455,26 @@ async def test_thinking_turn_round_trips_through_the_chat_layer(tok):
          C("\n</tool_response><|role_end|><role>ASSISTANT</role>\n<think>")]
     )
     assert fin2.usage.prompt_tokens - fin2.usage.cached_tokens == len(tail)
+
+
+async def test_special_tokens_outside_the_answer_grammar_end_the_turn(tok):
+    """A model that writes a role header or a made-up tool result is past its own turn:
+    generation stops there and the token is never text (issue 12, item 5)."""
+    for name in ("<tool_response>", "<role>", "<|endoftext|>"):
+        answer = [*tok.encode_text("it is"), tok.special_ids[name], *tok.encode_text(" more")]
+        engine, _ = make_engine(tok, answer_ids=answer)
+        with engine:
+            deltas, fin = await collect(engine, GenerationRequest(prompt(), GREEDY))
+        assert fin.text == "it is" == "".join(d.text for d in deltas), name
+        assert fin.finish_reason == "stop"
+
+
+async def test_answer_markup_tokens_pass_and_generation_config_eos_stops(tok):
+    think = [tok.special_ids["<think>"], *tok.encode_text("hm"), tok.special_ids["</think>"]]
+    stop_word = tok.encode_text(" STOP")
+    answer = [*think, *tok.encode_text("ok"), *stop_word, *tok.encode_text(" more")]
+    engine, _ = make_engine(tok, answer_ids=answer, eos_token_ids=[stop_word[0]])
+    with engine:
+        _, fin = await collect(engine, GenerationRequest(prompt(), GREEDY))
+    assert fin.text == "<think>hm</think>ok"
+    assert fin.finish_reason == "stop"

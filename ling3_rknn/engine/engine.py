@@ -62,6 +62,7 @@ class Engine:
         prefill_chunk: int = 64,
         checkpoint_min_tokens: int = 64,
         snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         if max_context < 2:
             raise ValueError("max_context must be at least 2")
@@ -88,7 +89,8 @@ class Engine:
             self._encoder,
             self._cache,
             self._counters,
-            RunnerOptions(max_context, prefill_chunk, checkpoint_min_tokens),
+            RunnerOptions(max_context, prefill_chunk, checkpoint_min_tokens,
+                          tuple(int(t) for t in eos_token_ids)),
         )
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._admission = threading.Condition()

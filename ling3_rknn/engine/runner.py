@@ -108,6 +108,7 @@ class RunnerOptions:
     max_context: int
     prefill_chunk: int = 64
     checkpoint_min_tokens: int = 64  # no boundary snapshot closer than this to another
+    eos_token_ids: tuple[int, ...] = ()  # the generation config's end-of-sequence ids
 
 
 class Runner:
@@ -134,7 +135,12 @@ class Runner:
         if config_eos is None:
             single = getattr(model.config, "eos_token_id", None)
             config_eos = () if single is None else (single,)
-        self._stop_ids = frozenset({self._eos_id, *(int(t) for t in config_eos)})
+        # Generation ends on the tokenizer's end of turn, every eos id of the model config
+        # and of the generation config, and any special token outside the answer grammar.
+        self._stop_ids = frozenset({
+            self._eos_id, *(int(t) for t in config_eos), *options.eos_token_ids,
+            *getattr(tokenizer, "turn_ending_ids", ()),
+        })
         self._sample_limit = min(self._vocab, _tokenizer_vocab(tokenizer, self._vocab))
         self._last_only = "last_only" in inspect.signature(model.forward).parameters
         self._state = model.new_state()
