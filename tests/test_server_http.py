@@ -18,6 +18,7 @@ from scripted_engine import ScriptedEngine
 from server_harness import chat_body, parse_sse, running_server
 
 from ling3_rknn.server import AppConfig
+from ling3_rknn.server.state import STATE
 
 
 @pytest.fixture
@@ -555,6 +556,49 @@ async def test_shutdown_cancels_running_generations(engine):
     text = b"".join(chunks).decode()
     assert '"code": "shutdown"' in text
     assert engine.cancelled == 1
+
+
+async def test_sigterm_answers_every_running_and_queued_request(engine):
+    """Running non-stream, queued stream and queued non-stream requests at shutdown: each
+    gets exactly one complete answer or one error, never a dropped connection."""
+    engine.push("a", fail="hang")  # the running one holds the single worker
+    results: dict[str, tuple[int, str]] = {}
+
+    async def call(session, url, name, stream):
+        async with session.post(url, json=chat_body(stream=stream)) as response:
+            results[name] = (response.status, await response.text())
+
+    async with aiohttp.ClientSession() as s:
+        async with running_server(engine, AppConfig(shutdown_timeout_s=5)) as srv:
+            url = srv.v1 + "/chat/completions"
+            tasks = [asyncio.create_task(call(s, url, "running", False))]
+            await wait_for(lambda: engine.started == 1)
+            tasks += [asyncio.create_task(call(s, url, "queued-stream", True)),
+                      asyncio.create_task(call(s, url, "queued", False))]
+            await wait_for(lambda: engine.stats().queue_depth == 2)
+        await asyncio.gather(*tasks)
+    assert set(results) == {"running", "queued-stream", "queued"}
+    for name in ("running", "queued"):
+        status, text = results[name]
+        assert status == 503, (name, text)
+        assert error_of(text)["code"] == "shutdown"
+    status, text = results["queued-stream"]
+    if status == 503:  # still before its headers
+        assert error_of(text)["code"] == "shutdown"
+    else:
+        events, _ = parse_sse(text)
+        assert status == 200 and events[-1]["error"]["code"] == "shutdown"
+
+
+async def test_draining_server_refuses_new_work_and_fails_health(engine):
+    async with running_server(engine) as srv, aiohttp.ClientSession() as s:
+        srv.app[STATE]["stopping"] = True  # what SIGTERM sets before the listener closes
+        health = await s.get(srv.base + "/health")
+        assert health.status == 503 and (await health.json())["status"] == "draining"
+        status, headers, text = await post(s, srv.v1 + "/chat/completions", chat_body())
+    assert status == 503 and headers["Retry-After"]
+    assert error_of(text)["code"] == "shutdown"
+    assert engine.started == 0
 
 
 # ---- metrics -----------------------------------------------------------------------------

@@ -99,6 +99,8 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
 
 async def _health(request: web.Request) -> web.Response:
     holder = request.app[ENGINE]
+    if request.app[STATE].get("stopping"):  # SIGTERM: a load balancer stops sending
+        return web.json_response({"status": "draining"}, status=503)
     if holder.load_error is not None:
         return web.json_response({"status": "error", "error": holder.load_error}, status=503)
     if holder.engine is None:

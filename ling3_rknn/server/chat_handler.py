@@ -42,6 +42,8 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
+    if app[STATE].get("stopping"):  # a keep-alive connection during the drain
+        raise shutdown_error()
     engine = app[ENGINE].require()
     chat_request = parse_chat_request(await _read_json(request))
     if chat_request.model not in (engine.model_id, *app[CONFIG].model_aliases):
@@ -63,7 +65,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:
         if not app[STATE].get("stopping"):
             metrics.disconnects.inc()
-        raise
+            raise
+        # Our shutdown cancelled a request whose headers are not out yet (a non-stream one,
+        # running or queued, or a stream still waiting for its first event): it gets a 503
+        # it can retry elsewhere, never a dropped connection. Streams already answering end
+        # with an error event inside _stream.
+        return shutdown_error().response(request[RID])
     finally:
         metrics.in_flight.dec()
         app[RUNNING].discard(task)
@@ -201,4 +208,5 @@ def _log_completion(
 
 
 def shutdown_error() -> ApiError:
-    return ApiError(503, "The server is shutting down.", type="server_error", code="shutdown")
+    return ApiError(503, "The server is shutting down; retry the request.",
+                    type="server_error", code="shutdown", headers={"Retry-After": "5"})

@@ -114,6 +114,7 @@ async def run_server(app: web.Application, host: str, port: int) -> None:
     async with serving(app, host, port) as bound:
         log.info("listening on http://%s:%d", host, bound)
         await stop.wait()
+        app[STATE]["stopping"] = True  # /health and new requests answer 503 from now on
         log.info("shutting down")
 
 
