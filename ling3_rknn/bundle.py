@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -38,8 +39,12 @@ QUANT_TYPES = ("fp32", "fp16", "w8a8")  # fp32 only for --target cpu (ONNX twin 
 EXPERT_FORMATS = ("int4", "int8", "fp16")
 TARGETS = ("rk3588", "cpu")
 CORE_MASK_NAMES = ("auto", "0", "1", "2", "0_1", "0_1_2", "all")
-VerifyMode = Literal["full", "size", "none"]
+# full: sha256 of every file; stamped: the same, skipped for files a stamp of an earlier
+# full check says are unchanged (size, mtime, inode); size: stat only; none: nothing.
+VerifyMode = Literal["full", "stamped", "size", "none"]
 _HASH_CHUNK = 1 << 22
+STAMP = ".verified.json"  # next to the manifest; never listed in it
+_PROGRESS_EVERY_S = 5.0
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -447,16 +452,18 @@ class Bundle:
     def open(
         cls,
         root: str | os.PathLike[str],
-        verify: VerifyMode = "size",
+        verify: VerifyMode = "stamped",
         expected_template_sha256: str | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> Bundle:
         """Load and check a bundle.
 
-        ``verify="size"`` (default, fast: stat only) or ``"full"`` (sha256 of every
-        file). ``expected_template_sha256`` is the hash of the template the renderer
-        implements (``ling3_rknn.chat.TEMPLATE_SHA256``); a different bundle template is a
-        loud :class:`TemplateMismatchWarning`, not an error.
+        ``verify``: ``"stamped"`` (default: sha256 of every file, remembered while the
+        files are unchanged, see :meth:`verify`), ``"full"`` (sha256 always), ``"size"``
+        (stat only: the explicit opt-out) or ``"none"``. ``expected_template_sha256`` is
+        the hash of the template the renderer implements
+        (``ling3_rknn.chat.TEMPLATE_SHA256``); a different bundle template is a loud
+        :class:`TemplateMismatchWarning`, not an error.
         """
         root = Path(root)
         if not root.is_dir():
@@ -483,17 +490,78 @@ class Bundle:
 
     def verify(self, mode: VerifyMode = "full",
                progress: Callable[[int], None] | None = None) -> None:
+        """Check every manifest file; a typed error names the first bad one.
+
+        Boards run from SD cards and eMMC, where bytes rot silently, so the serving default
+        is ``stamped``: a full sha256 check whose success is remembered per file (size,
+        mtime, inode) in ``.verified.json``, so restarting an unchanged bundle costs one
+        ``stat`` per file. A file that changed in any of those is hashed again.
+        """
+        keys: dict[str, list[int]] = {}
         for rel, entry in self.manifest.files.items():
             p = self.root / rel
             if not p.is_file():
                 raise MissingFileError(rel)
-            size = p.stat().st_size
-            if size != entry.size:
-                raise FileCorruptError(rel, "size", entry.size, size)
-            if mode == "full":
-                digest = sha256_file(p, progress)
-                if digest != entry.sha256:
-                    raise FileCorruptError(rel, "sha256", entry.sha256, digest)
+            st = p.stat()
+            if st.st_size != entry.size:
+                raise FileCorruptError(rel, "size", entry.size, st.st_size)
+            keys[rel] = [st.st_size, st.st_mtime_ns, st.st_ino]
+        if mode not in ("full", "stamped"):
+            return
+        trusted = self._read_stamp() if mode == "stamped" else {}
+        todo = [rel for rel in keys if trusted.get(rel) != keys[rel]]
+        if todo:
+            self._hash_files(todo, progress)
+        if mode == "stamped" and todo:
+            self._write_stamp(keys)
+
+    def _hash_files(self, rels: list[str], progress: Callable[[int], None] | None) -> None:
+        total = sum(self.manifest.files[r].size for r in rels)
+        done, started, last = 0, time.monotonic(), time.monotonic()
+
+        def count(n: int) -> None:
+            nonlocal done, last
+            done += n
+            if progress is not None:
+                progress(n)
+            if time.monotonic() - last >= _PROGRESS_EVERY_S:
+                last = time.monotonic()
+                log.info("verifying bundle %s: %.0f / %.0f MiB", self.root.name,
+                         done / 2**20, total / 2**20)
+
+        for rel in rels:
+            entry = self.manifest.files[rel]
+            digest = sha256_file(self.root / rel, count)
+            if digest != entry.sha256:
+                raise FileCorruptError(rel, "sha256", entry.sha256, digest)
+        log.info("bundle %s: sha256 of %d files (%.0f MiB) verified in %.1f s", self.root.name,
+                 len(rels), total / 2**20, time.monotonic() - started)
+
+    def _manifest_digest(self) -> str:
+        return hashlib.sha256((self.root / MANIFEST).read_bytes()).hexdigest()
+
+    def _read_stamp(self) -> dict[str, list[int]]:
+        """Files an earlier full check verified, keyed by (size, mtime_ns, inode); empty
+        when the stamp is missing, unreadable or belongs to another manifest."""
+        try:
+            data = json.loads((self.root / STAMP).read_text(encoding="utf-8"))
+            if data.get("manifest_sha256") != self._manifest_digest():
+                return {}
+            return {str(k): list(v) for k, v in data["files"].items()}
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
+            return {}
+
+    def _write_stamp(self, keys: dict[str, list[int]]) -> None:
+        """Atomic; a read-only bundle directory just means hashing again next time."""
+        tmp = self.root / f"{STAMP}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            tmp.write_text(json.dumps({"manifest_sha256": self._manifest_digest(),
+                                       "files": keys}), encoding="utf-8")
+            os.replace(tmp, self.root / STAMP)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            log.info("bundle %s: cannot store the verification stamp (%s); the next start "
+                     "hashes again", self.root.name, exc)
 
     def check_template(self, expected_sha256: str) -> bool:
         actual = self.manifest.chat_template_sha256

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from ling3_rknn.bundle import (
     FORMAT_VERSION,
+    STAMP,
     Bundle,
     BundleError,
     BundleExistsError,
@@ -162,6 +164,45 @@ def test_flipped_byte_is_caught_by_full_verification_only(bundle_dir):
     Bundle.open(bundle_dir, verify="size")  # same size: the fast mode cannot see it
     with pytest.raises(FileCorruptError, match=r"layer1\.safetensors.*sha256"):
         Bundle.open(bundle_dir, verify="full")
+
+
+def test_default_verification_hashes_and_remembers(bundle_dir):
+    """The default (stamped) catches a flipped byte; once a bundle verified, reopening it
+    unchanged hashes nothing, and a file that changed since is hashed again."""
+    seen: list[int] = []
+    Bundle.open(bundle_dir, progress=seen.append)
+    assert sum(seen) > 0 and (bundle_dir / STAMP).is_file()
+    seen.clear()
+    Bundle.open(bundle_dir, progress=seen.append)
+    assert seen == []  # unchanged: one stat per file
+    path = bundle_dir / "experts" / "layer1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[2500] ^= 0x01
+    before = path.stat().st_mtime_ns
+    path.write_bytes(bytes(data))  # same size, new mtime (pinned past a coarse clock tick)
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    with pytest.raises(FileCorruptError, match=r"layer1\.safetensors.*sha256"):
+        Bundle.open(bundle_dir, progress=seen.append)
+    assert sum(seen) == path.stat().st_size  # only the changed file was hashed again
+
+
+def test_a_stamp_never_vouches_for_other_files(bundle_dir):
+    Bundle.open(bundle_dir)
+    stamp = json.loads((bundle_dir / STAMP).read_text())
+    path = bundle_dir / "experts" / "layer1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0x01
+    path.write_bytes(bytes(data))
+    st = path.stat()
+    # A stamp forged for the new stat, or one made for another manifest, is not trusted.
+    stamp["files"]["experts/layer1.safetensors"] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    stamp["manifest_sha256"] = "0" * 64
+    (bundle_dir / STAMP).write_text(json.dumps(stamp))
+    with pytest.raises(FileCorruptError):
+        Bundle.open(bundle_dir)
+    (bundle_dir / STAMP).write_text("not json")
+    with pytest.raises(FileCorruptError):
+        Bundle.open(bundle_dir)
 
 
 def test_truncated_file_is_caught_by_the_fast_mode(bundle_dir):

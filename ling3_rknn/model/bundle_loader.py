@@ -54,14 +54,19 @@ def _check_not_placeholder(bundle: Bundle, name: str, rknnlite_cls: type | None)
 
 
 def load_from_bundle(path: str | os.PathLike[str], executor: ExecutorChoice = "auto",
-                     verify: VerifyMode = "size", threads: int = 2):  # -> Model
+                     verify: VerifyMode = "stamped", threads: int = 2):  # -> Model
     """The pieces of a ``Model`` from the bundle at ``path`` (see ``Model.from_bundle``)."""
     from ..config import ConfigError
     from .model import CpuWeights, Model
 
     if executor not in _RUNTIME:
         raise ValueError(f"executor must be one of {list(_RUNTIME)}, got {executor!r}")
-    bundle = path if isinstance(path, Bundle) else Bundle.open(Path(path), verify=verify)
+    if isinstance(path, Bundle):
+        bundle = path
+        if verify != "none":
+            bundle.verify(verify)
+    else:
+        bundle = Bundle.open(Path(path), verify=verify)
     m = bundle.manifest
     try:
         cfg = ModelConfig.from_dict(m.model_config)

@@ -84,13 +84,14 @@ class Model:
         path: str | os.PathLike[str],
         *,
         executor: str = "auto",
-        verify: str = "size",
+        verify: str = "stamped",
         threads: int = 2,
     ) -> Model:
-        """Load a converted bundle: stage graphs on RKNNLite (the board, or its ONNX-twin
-        mock on a host; ``executor`` = auto | rknnlite | mock | onnx), routed experts on
-        the CPU kernels and the NPU experts of the placement plan. The manifest is checked
-        first (``verify="size"`` fast, ``"full"`` sha256 of every file)."""
+        """Load a converted bundle (a path, or an opened ``Bundle``): stage graphs on
+        RKNNLite (the board, or its ONNX-twin mock on a host; ``executor`` = auto |
+        rknnlite | mock | onnx), routed experts on the CPU kernels and the NPU experts of
+        the placement plan. Every file is checked against the manifest's sha256 first
+        (``verify``: stamped | full | size | none, see ``Bundle.verify``)."""
         from .bundle_loader import load_from_bundle
 
         return load_from_bundle(path, executor, verify, threads)  # type: ignore[arg-type]
