@@ -441,3 +441,19 @@ def test_assistant_message_shape():
     assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
     with pytest.raises(ValueError):
         assistant_message(parsed, ids=[])
+
+
+@pytest.mark.parametrize(("raw", "types", "want"), [
+    ("5", {"number", "string"}, 5),
+    ("5", {"integer", "string"}, 5),
+    ("5.5", {"number", "string"}, 5.5),
+    ("5.5", {"integer", "string"}, "5.5"),  # a float is not an integer: the raw text stays
+    ("5", {"string", "null"}, "5"),
+    ("five", {"number", "string"}, "five"),
+])
+def test_coerce_value_widens_integers_to_number_types(raw, types, want):
+    """An integer literal is a JSON number, so a number-or-string parameter gets 5, not "5"."""
+    from ling3_rknn.chat.tool_schema import coerce_value
+
+    got = coerce_value(raw, frozenset(types))
+    assert got == want and type(got) is type(want)

@@ -102,6 +102,21 @@ def test_retyped_prompt_part_does_not_splice(tok):
     assert enc.encode(segs).spliced_tokens == 0
 
 
+def test_moved_control_boundary_with_the_same_span_count_does_not_splice(tok):
+    """Same text, same number of CONTROL spans, but a boundary moved: the user's text now
+    starts inside what was a template marker. Only equal spans may reuse the ids."""
+    enc = PromptEncoder(tok, "<|role_end|>")
+    first = enc.encode(turn1())
+    gen = generated_ids(tok)
+    enc.remember(first, tok.decode(gen), gen, tok.eos_id)
+    segs = turn2()
+    segs[2:4] = [C("<|role_end|><role>HUMAN</role>say"), T(" the word")]
+    typed = [s.text for s in segs], [s.control for s in segs]
+    assert "".join(typed[0]) == "".join(s.text for s in turn2())  # the text is unchanged
+    assert sum(typed[1]) == sum(s.control for s in turn2())  # so is the span count
+    assert enc.encode(segs).spliced_tokens == 0
+
+
 def test_longest_transcript_wins_and_capacity_is_bounded(tok):
     enc = PromptEncoder(tok, "<|role_end|>", capacity=2)
     first = enc.encode(turn1())

@@ -61,3 +61,15 @@ def test_any_chunking_gives_the_text_before_the_first_stop(text, stops, cuts):
     for piece in out:
         emitted += piece
         assert not any(s in emitted for s in stops)
+
+
+def test_holds_back_a_chunk_ending_one_character_short_of_the_longest_stop():
+    """The longest possible partial match (all but the last character) must be held."""
+    for stops in (["</answer>"], ["</answer>", "<x>"]):
+        m = StopMatcher(stops)
+        assert m.feed("hello </answer") == "hello "  # 8 of the stop's 9 characters
+        assert m.feed("> and more") == "" and m.stopped
+        m = StopMatcher(stops)
+        assert m.feed("hello </answer") == "hello "
+        assert m.feed("s") == "</answers"  # not a stop after all: released in order
+        assert not m.stopped

@@ -295,3 +295,20 @@ def test_numpy_experts_batch_equals_per_token():
         ref = sum(w[t, j] * swiglu(x[t], *table[ids[t, j]]) for j in range(2))
         np.testing.assert_allclose(single[0], ref, atol=1e-5)
         np.testing.assert_allclose(batch[t], ref, atol=1e-5)
+
+
+def test_rms_norm_eps_sits_inside_the_square_root():
+    """Small and all-zero rows are where eps decides the result: x / sqrt(mean(x^2) + eps),
+    not x / (sqrt(mean(x^2)) + eps) (transformers' RMSNorm)."""
+    from ling3_rknn.model.stages import rms_norm
+
+    eps = 1e-6
+    x = np.array([[1e-3, -1e-3, 1e-3, -1e-3], [0.0, 0.0, 0.0, 0.0], [3.0, 4.0, 0.0, 0.0]],
+                 np.float32)
+    w = np.array([1.0, 2.0, 0.5, 1.0], np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * w
+    got = rms_norm(x, w, eps)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert abs(got[0, 0]) == pytest.approx(1 / np.sqrt(2), rel=1e-4)  # not ~1.0
+    assert np.all(got[1] == 0)
