@@ -21,7 +21,7 @@ function of (seed, step) and training resumes exactly.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from convert.demo_model.names import CityPools, MadeUpNames
@@ -226,11 +226,9 @@ class ToolTask:
     answer: str
     reasoning_call: str = ""
     reasoning_answer: str = ""
-    extra: dict = field(default_factory=dict)
 
 
-def tool_task(rng: random.Random, city: str, tool: str | None = None,
-              questions: dict[str, tuple[str, ...]] | None = None) -> ToolTask:
+def tool_task(rng: random.Random, city: str, tool: str | None = None) -> ToolTask:
     tool = tool or rng.choices(("get_weather", "get_time", "get_forecast"), (5, 4, 2))[0]
     if tool == "get_forecast":
         day = rng.choice(FORECAST_DAYS)
@@ -240,8 +238,7 @@ def tool_task(rng: random.Random, city: str, tool: str | None = None,
         arguments = {"city": city, "day": day}
         what = f"the {day} forecast for {city}"
     else:
-        pool = (questions or {}).get(tool) or (
-            WEATHER_QUESTIONS if tool == "get_weather" else TIME_QUESTIONS)
+        pool = WEATHER_QUESTIONS if tool == "get_weather" else TIME_QUESTIONS
         question = rng.choice(pool).format(c=city)
         maker = weather_result if tool == "get_weather" else time_result
         result, quote, fields = maker(rng, city)
@@ -336,7 +333,6 @@ class CorpusSampler:
     def __init__(self, pools: CityPools) -> None:
         self.pools = pools
         self.made_up = MadeUpNames(pools.train, avoid=pools.reserved)
-        self._call_id = 0
 
     def city(self, rng: random.Random) -> str:
         r = rng.random()
@@ -347,7 +343,6 @@ class CorpusSampler:
         return self.made_up.name(rng)
 
     def _exchange(self, rng: random.Random, thinking: bool, task: ToolTask) -> list[Message]:
-        self._call_id += 1
         call_id = f"call_{rng.getrandbits(40):010x}"
         call = {"id": call_id, "type": "function",
                 "function": {"name": task.tool, "arguments": dict(task.arguments)}}

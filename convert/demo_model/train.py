@@ -1,11 +1,11 @@
-"""Train the embedded demo model: a ~7.8M-parameter Ling-3.0 that acts as a tiny agent.
+"""Train the embedded demo model: a 7.1M-parameter Ling-3.0 that acts as a tiny agent.
 
     make demo-model            # = .venv-oracle/bin/python -m convert.demo_model.train OUT
 
 Host-only (torch 2.13.0 CPU + transformers 5.24.0 ``BailingHybridForCausalLM``); the
 runtime never imports it. Deterministic: the tokenizer, the initial weights and every
 batch are functions of ``--seed`` (a batch of step s is drawn from ``Random(seed, phase,
-s)``), so ``--resume`` after an interruption continues the same run. About 80 minutes on
+s)``), so ``--resume`` after an interruption continues the same run. About 85 minutes on
 2 cores. The recipe (measured in the project's feasibility study, then tuned):
 
 1. **Echo warm-up** (phase 1): ``Repeat after me: X`` -> ``X`` on short sequences, batch
@@ -116,7 +116,7 @@ class _UnseenNames(CorpusSampler):
     """A sampler whose cities are made-up names from a separate stream: never trained on."""
 
     def __init__(self, base: CorpusSampler) -> None:
-        self.pools, self._call_id = base.pools, 0
+        self.pools = base.pools
         self.made_up = MadeUpNames(base.pools.train, avoid=base.pools.reserved)
 
     def city(self, rng: random.Random) -> str:
@@ -285,8 +285,8 @@ def train(plan: Plan, out: Path, resume: bool, threads: int) -> None:
     val = validation_sets(plan, sampler, tok)
     echo_spans = name_spans(*val["echo"], None, {tok.eos_id})
     chat_spans = name_spans(*val["chat"], val["arg_value"], {val["arg_end"]})
-    bar = tqdm(total=plan.copy_steps + plan.chat_steps, initial=total, unit="step",
-               desc="demo model", dynamic_ncols=True)
+    bar = tqdm(total=(copy_done_at or plan.copy_steps) + plan.chat_steps, initial=total,
+               unit="step", desc="demo model", dynamic_ncols=True)
     start, losses, tokens = time.time() - elapsed0, [], 0
 
     def checkpoint() -> None:
