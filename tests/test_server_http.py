@@ -729,7 +729,8 @@ async def test_engine_that_stopped_being_ready_is_503(engine):
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     b"zz\r\n{}\r\n0\r\n\r\n",
     b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
-], ids=["bad-content-length", "bad-chunk-size", "70KB-header"])
+    b"GET /%s%d%%s HTTP/1.1\r\nHost: x\r\nX-Big: %s" + b"b" * 70_000 + b"\r\n\r\n",
+], ids=["bad-content-length", "bad-chunk-size", "70KB-header", "percent-signs"])
 async def test_malformed_http_is_a_400_and_one_warning_line(raw, caplog):
     async with running_server(ScriptedEngine()) as srv:
         host, port = srv.base.removeprefix("http://").split(":")
@@ -741,4 +742,19 @@ async def test_malformed_http_is_a_400_and_one_warning_line(raw, caplog):
     assert head.startswith(b"HTTP/1.0 400") or head.startswith(b"HTTP/1.1 400")
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert records and all(r.levelname == "WARNING" and r.exc_info is None for r in records)
-    assert "malformed HTTP" in records[0].getMessage()
+    assert "malformed HTTP" in records[0].getMessage()  # formats: client bytes are data
+    assert "Logging error" not in caplog.text
+
+
+async def test_a_closed_engine_is_a_shutdown_503_not_a_model_failure():
+    from ling3_rknn.engine import EngineShutDown
+
+    class Closed(ScriptedEngine):
+        async def generate(self, request):
+            raise EngineShutDown("the engine is shut down")
+            yield  # an async generator, like the real one
+
+    async with running_server(Closed()) as srv, aiohttp.ClientSession() as s:
+        status, headers, text = await post(s, srv.v1 + "/chat/completions", chat_body())
+    assert status == 503 and headers["Retry-After"]
+    assert error_of(text)["code"] == "shutdown"

@@ -102,6 +102,11 @@ class EngineFailure(EngineError):
     """The model or NPU failed; the engine stays usable for the next request."""
 
 
+
+class EngineShutDown(EngineFailure):
+    """The engine was closed (service shutdown) before or while serving the request: not a
+    model failure, and a retry belongs elsewhere; the server answers 503 ``shutdown``."""
+
 class InvalidRequest(EngineError, ValueError):
     """A request value the engine cannot honour (bad sampling knob, empty prompt); the
     server answers 400. Raised before the first event, like ContextLengthExceeded."""

@@ -23,6 +23,7 @@ from .api import (
     ContextLengthExceeded,
     EngineBusy,
     EngineFailure,
+    EngineShutDown,
     EngineStats,
     Finished,
     GenerationEvent,
@@ -157,7 +158,7 @@ class Engine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         if not self.ready:
-            raise EngineFailure("the engine is shut down")
+            raise EngineShutDown("the engine is shut down")
         settings = resolve_settings(request.sampling, self._defaults)
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
@@ -240,7 +241,7 @@ class Engine:
             except queue.Empty:
                 break
             if job is not None:
-                job.emit(EngineFailure("the engine is shutting down"))
+                job.emit(EngineShutDown("the engine is shutting down"))
                 with self._admission:
                     self._waiting -= 1
                     self._in_flight -= 1
@@ -248,7 +249,7 @@ class Engine:
         current = self._current
         if current is not None:
             current.cancel.set()
-            current.emit(EngineFailure("the engine is shutting down"))  # unblock its consumer
+            current.emit(EngineShutDown("the engine is shutting down"))  # unblock its consumer
         self._jobs.put(None)
         self._worker.join()
         if self._cache is not None:

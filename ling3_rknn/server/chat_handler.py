@@ -43,7 +43,7 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     if app[STATE].get("stopping"):  # a keep-alive connection during the drain
-        raise shutdown_error()
+        raise errors.shutdown()
     engine = app[ENGINE].require()
     chat_request = parse_chat_request(await _read_json(request))
     if chat_request.model not in (engine.model_id, *app[CONFIG].model_aliases):
@@ -53,9 +53,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
-    completion = Completion(engine, chat_request)
+    completion = Completion(engine, chat_request, request[RID])
     metrics = app[METRICS]
     task = asyncio.current_task()
+    if app[STATE].get("stopping"):  # the drain began while the body was being read
+        raise errors.shutdown()
     app[RUNNING].add(task)
     metrics.in_flight.inc()
     try:
@@ -70,7 +72,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # running or queued, or a stream still waiting for its first event): it gets a 503
         # it can retry elsewhere, never a dropped connection. Streams already answering end
         # with an error event inside _stream.
-        return shutdown_error().response(request[RID])
+        return errors.shutdown().response(request[RID])
     finally:
         metrics.in_flight.dec()
         app[RUNNING].discard(task)
@@ -135,7 +137,7 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             # Our own shutdown cancelled the generation: tell the client and end the stream
             # cleanly instead of cutting the connection.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_send_error(writer, shutdown_error(), request[RID]), 1.0)
+                await asyncio.wait_for(_send_error(writer, errors.shutdown(), request[RID]), 1.0)
         except ConnectionError:
             metrics.disconnects.inc()
             return response
@@ -205,8 +207,3 @@ def _log_completion(
         usage.completion_tokens,
         (time.monotonic() - started) * 1000,
     )
-
-
-def shutdown_error() -> ApiError:
-    return ApiError(503, "The server is shutting down; retry the request.",
-                    type="server_error", code="shutdown", headers={"Retry-After": "5"})

@@ -21,6 +21,7 @@ from ling3_rknn.engine.api import (
     EngineBusy,
     EngineFailure,
     EngineProtocol,
+    EngineShutDown,
     Finished,
     GenerationRequest,
     InvalidRequest,
@@ -28,7 +29,13 @@ from ling3_rknn.engine.api import (
     TextDelta,
     Usage,
 )
-from ling3_rknn.server.errors import ApiError, busy, context_length_exceeded, invalid_request
+from ling3_rknn.server.errors import (
+    ApiError,
+    busy,
+    context_length_exceeded,
+    invalid_request,
+    shutdown,
+)
 from ling3_rknn.server.validate import ChatRequest
 
 log = logging.getLogger("ling3_rknn.server")
@@ -68,11 +75,13 @@ class DoneOut:
 CompletionEvent = ReasoningOut | ContentOut | ToolCallOut | DoneOut
 
 
-def engine_failure(exc: EngineFailure) -> ApiError:
+def engine_failure(exc: EngineFailure, request_id: str) -> ApiError:
     """The model or NPU failed; the engine stays usable, so a retry may succeed. The
     client gets no internal exception text (it may name files or memory addresses); the
-    log has it."""
-    log.error("engine failure: %s", exc)
+    log has it. A closed engine is the service stopping, not a failure."""
+    if isinstance(exc, EngineShutDown):
+        return shutdown()
+    log.error("%s engine failure: %s", request_id, exc)
     return ApiError(500, "The model failed while generating this answer; the server is "
                          "still up and the request can be retried.",
                     type="server_error", code="engine_failure")
@@ -120,8 +129,10 @@ class Completion:
     ``close()`` cancels the generation; it is safe to call at any time, more than once.
     """
 
-    def __init__(self, engine: EngineProtocol, request: ChatRequest) -> None:
+    def __init__(self, engine: EngineProtocol, request: ChatRequest,
+                 request_id: str = "-") -> None:
         self.request = request
+        self._request_id = request_id
         prompt = render_prompt(request)
         self._parser = chat.StreamingParser(
             callable_tools(request),
@@ -150,7 +161,7 @@ class Completion:
         except InvalidRequest as exc:
             raise invalid_request(str(exc)) from None
         except EngineFailure as exc:
-            raise engine_failure(exc) from None
+            raise engine_failure(exc, self._request_id) from None
         except StopAsyncIteration:
             raise ApiError(500, "The engine ended without a result.", type="server_error") from None
 
@@ -175,7 +186,7 @@ class Completion:
                 assert self._generation is not None
                 event = await anext(self._generation)
             except EngineFailure as exc:
-                raise engine_failure(exc) from None
+                raise engine_failure(exc, self._request_id) from None
             except StopAsyncIteration:
                 raise ApiError(
                     500, "The engine stopped without finishing.", type="server_error"

@@ -118,3 +118,9 @@ def from_http_exception(exc: web.HTTPException) -> ApiError:
     if status == 413:
         return ApiError(413, "Request body too large.", code="request_too_large")
     return ApiError(status, exc.reason or "HTTP error", code=None)
+
+
+def shutdown() -> ApiError:
+    """The service is stopping: retry (elsewhere, or once it is back)."""
+    return ApiError(503, "The server is shutting down; retry the request.",
+                    type="server_error", code="shutdown", headers={"Retry-After": "5"})

@@ -77,8 +77,10 @@ class _ProtocolLog(logging.LoggerAdapter):
                   **kwargs: object) -> None:
         exc = exc_info if isinstance(exc_info, BaseException) else None
         if isinstance(exc, HttpProcessingError):
+            # The message may quote the client's bytes: it is an argument, never a format.
+            where = str(msg) % args if args else str(msg)
             detail = (exc.message or type(exc).__name__).splitlines()[0][:200]
-            self.logger.warning(f"{msg}: malformed HTTP ({exc.code}: {detail})", *args)
+            self.logger.warning("%s: malformed HTTP (%s: %s)", where, exc.code, detail)
             return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)  # type: ignore[arg-type]
 

@@ -411,8 +411,8 @@ def _tool_results_answer_calls(messages: list[dict[str, Any]]) -> None:
             if not calls:
                 _fail(f"messages[{i}]", "a 'tool' message must answer a tool call of the "
                                         "assistant message before it")
-            ids = {c["id"] for c in calls if c.get("id")}
-            if ids and msg["tool_call_id"] not in ids:  # calls without ids match any result
+            ids = {c.get("id") for c in calls}
+            if None not in ids and msg["tool_call_id"] not in ids:  # an id-less call: any
                 _fail(f"messages[{i}].tool_call_id",
                       f"{msg['tool_call_id']!r} is not the id of a tool call of the "
                       "assistant message before it")
