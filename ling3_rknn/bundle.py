@@ -492,10 +492,14 @@ class Bundle:
                progress: Callable[[int], None] | None = None) -> None:
         """Check every manifest file; a typed error names the first bad one.
 
-        Boards run from SD cards and eMMC, where bytes rot silently, so the serving default
-        is ``stamped``: a full sha256 check whose success is remembered per file (size,
-        mtime, inode) in ``.verified.json``, so restarting an unchanged bundle costs one
-        ``stat`` per file. A file that changed in any of those is hashed again.
+        Boards run from SD cards and eMMC, where a copy or a write can corrupt bytes
+        silently, so the serving default is ``stamped``: a full sha256 check whose success
+        is remembered per file (size, mtime, ctime, device, inode), so restarting an
+        unchanged bundle costs one ``stat`` per file and any write, copy or replacement
+        since is hashed again. What it cannot see is rot on the medium after a successful
+        check with no write at all; ``full`` hashes every start. The stamp lives next to the
+        manifest, or where the bundle directory is read-only (the systemd unit mounts it
+        so) in ``$STATE_DIRECTORY``, ``$LING3_RKNN_STATE_DIR`` or ``~/.cache/ling3-rknn``.
         """
         keys: dict[str, list[int]] = {}
         for rel, entry in self.manifest.files.items():
@@ -505,7 +509,8 @@ class Bundle:
             st = p.stat()
             if st.st_size != entry.size:
                 raise FileCorruptError(rel, "size", entry.size, st.st_size)
-            keys[rel] = [st.st_size, st.st_mtime_ns, st.st_ino]
+            # ctime cannot be set back by a user (unlike mtime), dev + ino name the file
+            keys[rel] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino]
         if mode not in ("full", "stamped"):
             return
         trusted = self._read_stamp() if mode == "stamped" else {}
@@ -540,28 +545,42 @@ class Bundle:
     def _manifest_digest(self) -> str:
         return hashlib.sha256((self.root / MANIFEST).read_bytes()).hexdigest()
 
+    def _stamp_paths(self) -> list[Path]:
+        """Where a stamp may live: beside the manifest, then a state directory named for
+        this bundle's real path (one stamp per bundle, however many are installed)."""
+        state = (os.environ.get("STATE_DIRECTORY", "").split(":")[0]  # systemd
+                 or os.environ.get("LING3_RKNN_STATE_DIR")
+                 or os.path.join(os.path.expanduser("~"), ".cache", "ling3-rknn"))
+        name = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:16]
+        return [self.root / STAMP, Path(state) / f"verified-{name}.json"]
+
     def _read_stamp(self) -> dict[str, list[int]]:
-        """Files an earlier full check verified, keyed by (size, mtime_ns, inode); empty
-        when the stamp is missing, unreadable or belongs to another manifest."""
-        try:
-            data = json.loads((self.root / STAMP).read_text(encoding="utf-8"))
-            if data.get("manifest_sha256") != self._manifest_digest():
-                return {}
-            return {str(k): list(v) for k, v in data["files"].items()}
-        except (OSError, ValueError, AttributeError, KeyError, TypeError):
-            return {}
+        """Files an earlier full check verified, keyed by their stat; empty when no stamp
+        is readable or it belongs to another manifest."""
+        digest = self._manifest_digest()
+        for path in self._stamp_paths():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if data.get("manifest_sha256") == digest:
+                    return {str(k): list(v) for k, v in data["files"].items()}
+            except (OSError, ValueError, AttributeError, KeyError, TypeError):
+                continue
+        return {}
 
     def _write_stamp(self, keys: dict[str, list[int]]) -> None:
-        """Atomic; a read-only bundle directory just means hashing again next time."""
-        tmp = self.root / f"{STAMP}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            tmp.write_text(json.dumps({"manifest_sha256": self._manifest_digest(),
-                                       "files": keys}), encoding="utf-8")
-            os.replace(tmp, self.root / STAMP)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            log.info("bundle %s: cannot store the verification stamp (%s); the next start "
-                     "hashes again", self.root.name, exc)
+        """Atomic; with no writable place the next start just hashes again."""
+        body = json.dumps({"manifest_sha256": self._manifest_digest(), "files": keys})
+        for path in self._stamp_paths():
+            tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(body, encoding="utf-8")
+                os.replace(tmp, path)
+                return
+            except OSError:
+                tmp.unlink(missing_ok=True)
+        log.info("bundle %s: no writable place for the verification stamp; the next start "
+                 "hashes again", self.root.name)
 
     def check_template(self, expected_sha256: str) -> bool:
         actual = self.manifest.chat_template_sha256

@@ -186,23 +186,65 @@ def test_default_verification_hashes_and_remembers(bundle_dir):
     assert sum(seen) == path.stat().st_size  # only the changed file was hashed again
 
 
-def test_a_stamp_never_vouches_for_other_files(bundle_dir):
-    Bundle.open(bundle_dir)
-    stamp = json.loads((bundle_dir / STAMP).read_text())
-    path = bundle_dir / "experts" / "layer1.safetensors"
+def _flip_byte(path: Path, at: int) -> None:
     data = bytearray(path.read_bytes())
-    data[10] ^= 0x01
+    data[at] ^= 0x01
     path.write_bytes(bytes(data))
-    st = path.stat()
-    # A stamp forged for the new stat, or one made for another manifest, is not trusted.
-    stamp["files"]["experts/layer1.safetensors"] = [st.st_size, st.st_mtime_ns, st.st_ino]
-    stamp["manifest_sha256"] = "0" * 64
+
+
+def _forge_stamp(bundle_dir: Path, rel: str, manifest_sha256: str | None = None) -> None:
+    """A stamp that claims ``rel`` as it is now was verified."""
+    stamp = json.loads((bundle_dir / STAMP).read_text())
+    st = (bundle_dir / rel).stat()
+    stamp["files"][rel] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino]
+    if manifest_sha256 is not None:
+        stamp["manifest_sha256"] = manifest_sha256
     (bundle_dir / STAMP).write_text(json.dumps(stamp))
+
+
+def test_a_stamp_of_another_manifest_is_ignored(bundle_dir):
+    Bundle.open(bundle_dir)
+    rel = "experts/layer1.safetensors"
+    _flip_byte(bundle_dir / rel, 10)
+    _forge_stamp(bundle_dir, rel, manifest_sha256="0" * 64)
     with pytest.raises(FileCorruptError):
         Bundle.open(bundle_dir)
+
+
+def test_an_unreadable_stamp_is_ignored(bundle_dir):
+    Bundle.open(bundle_dir)
+    _flip_byte(bundle_dir / "experts" / "layer1.safetensors", 10)
     (bundle_dir / STAMP).write_text("not json")
     with pytest.raises(FileCorruptError):
         Bundle.open(bundle_dir)
+
+
+def test_the_stamp_vouches_only_for_unchanged_files(bundle_dir):
+    """What the stamp trusts, stated: a file whose stat (size, mtime, ctime, device,
+    inode) matches a stamp of this manifest is not hashed again. A stamp forged for the
+    new stat is trusted (the stamp guards against accidents, not against an attacker who
+    can write the bundle), which is why ``full`` exists."""
+    Bundle.open(bundle_dir)
+    rel = "experts/layer1.safetensors"
+    _flip_byte(bundle_dir / rel, 10)
+    _forge_stamp(bundle_dir, rel)
+    Bundle.open(bundle_dir)  # trusted: the documented limit
+    with pytest.raises(FileCorruptError):
+        Bundle.open(bundle_dir, verify="full")
+
+
+def test_a_read_only_bundle_keeps_its_stamp_in_the_state_directory(bundle_dir, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.setenv("LING3_RKNN_STATE_DIR", str(tmp_path / "state"))
+    (bundle_dir / STAMP).mkdir()  # the bundle directory cannot take the stamp file
+    seen: list[int] = []
+    Bundle.open(bundle_dir, progress=seen.append)
+    assert sum(seen) > 0
+    assert len(list((tmp_path / "state").glob("verified-*.json"))) == 1
+    seen.clear()
+    Bundle.open(bundle_dir, progress=seen.append)
+    assert seen == []  # the state directory's stamp is used on the next start
 
 
 def test_truncated_file_is_caught_by_the_fast_mode(bundle_dir):
