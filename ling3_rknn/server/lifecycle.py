@@ -117,6 +117,10 @@ async def run_server(app: web.Application, host: str, port: int) -> None:
         log.info("listening on http://%s:%d", host, bound)
         await stop.wait()
         app[STATE]["stopping"] = True  # /health and new requests answer 503 from now on
+        drain = app[CONFIG].drain_s
+        if drain > 0:
+            log.info("draining for %.0f s before shutting down", drain)
+            await asyncio.sleep(drain)
         log.info("shutting down")
 
 

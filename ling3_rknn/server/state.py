@@ -24,6 +24,9 @@ class AppConfig:
     # first event, so that "busy" or "prompt too long" still become HTTP errors.
     header_wait_s: float = 1.0
     shutdown_timeout_s: float = 10.0
+    # After SIGTERM, how long the listener stays open answering /health and new requests
+    # with 503 before running requests are ended: time for a load balancer to stop sending.
+    drain_s: float = 0.0
 
 
 class EngineHolder:
