@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -103,9 +105,9 @@ def eval_tools() -> list[dict]:
 
 async def _generate(engine: Engine, messages: list[dict], tools: list[dict], thinking: bool
                     ) -> str:
-    request = GenerationRequest(
+    request = GenerationRequest(  # as the server asks (its end-of-turn stop string too)
         prompt=render(messages, tools, enable_thinking=thinking),
-        sampling=SamplingParams(temperature=0.0), max_tokens=96)
+        sampling=SamplingParams(temperature=0.0), max_tokens=96, stop=("<|role_end|>",))
     async for event in engine.generate(request):
         if isinstance(event, Finished):
             return event.text
@@ -151,23 +153,31 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     }
 
 
-def load_model(hf: Path | None, bundle: Path | None) -> tuple[Any, Any]:
+def load_model(hf: Path | None, bundle: Path | None) -> tuple[Any, Any, dict | None]:
+    """(model, tokenizer, generation config) as ``ling3-rknn serve`` loads them."""
+    from ling3_rknn.bundle import Bundle
+    from ling3_rknn.loading import read_generation_config
     from ling3_rknn.model import Model
     from ling3_rknn.tokenizer import Tokenizer
 
     if hf is not None:
-        return Model.from_hf(hf), Tokenizer.from_file(hf / "tokenizer.json")
+        return (Model.from_hf(hf), Tokenizer.from_file(hf / "tokenizer.json"),
+                read_generation_config(hf / "generation_config.json"))
     assert bundle is not None
-    return Model.from_bundle(bundle), Tokenizer.from_file(bundle / "tokenizer.json")
+    opened = Bundle.open(bundle)
+    return (Model.from_bundle(opened, verify="none"),
+            Tokenizer.from_file(opened.path(opened.manifest.tokenizer)),
+            opened.manifest.generation_config)
 
 
-def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path) -> Any:
+def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
+                    stack: contextlib.ExitStack) -> None:
     """Run the bundle's dense stages in rknn-toolkit2's simulator instead of their ONNX twins.
 
     The toolkit cannot run a built ``.rknn`` on the host, so each stage is rebuilt from the
     checkpoint's fp32 graph with the bundle's precision and the converter's calibration
     (same prompts, chunk and sample count): what the board's NPU computes, bit for bit up
-    to the simulator. Returns the open ``SimulatedGraphs`` (close it when done).
+    to the simulator. ``stack`` owns the simulator process.
     """
     import numpy as np
     import onnx
@@ -192,9 +202,8 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path) -> Any:
             spec, path, spec.quant,
             calib.samples(name, graph.inputs, defaults.calibration_samples)
             if spec.quant == "w8a8" else None))
-    sim = SimulatedGraphs(jobs).__enter__()
+    sim = stack.enter_context(SimulatedGraphs(jobs))  # builds every stage; closed by stack
     model.stages.replace_executors(sim.executors())
-    return sim
 
 
 async def evaluate(engine: Engine, thinking: bool, progress: bool = True) -> list[Outcome]:
@@ -231,17 +240,18 @@ def main(argv: list[str] | None = None) -> int:
         cases = [asdict(c) for c in make_cases()]
         CASES_FILE.write_text(json.dumps(cases, indent=1, ensure_ascii=False) + "\n")
         return 0
-    model, tok = load_model(args.hf, args.bundle)
+    from ling3_rknn.loading import make_engine
+
+    model, tok, generation_config = load_model(args.hf, args.bundle)
     report: dict[str, Any] = {"source": str(args.hf or args.bundle),
                               "stages": "simulator" if args.simulate else "as loaded"}
-    sim = None
-    if args.simulate:
-        import tempfile
-
-        work = Path(tempfile.mkdtemp(prefix="ling3-demo-sim-"))
-        sim = simulate_stages(model, args.simulate, args.calibration, work)
-    engine = Engine(model, tok, model_id="eval", max_context=4096)
-    try:
+    with contextlib.ExitStack() as stack:
+        if args.simulate:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ling3-sim-")))
+            simulate_stages(model, args.simulate, args.calibration, work, stack)
+        engine = make_engine(model, tok, {"model_id": "eval"},
+                             generation_config=generation_config)
+        stack.callback(engine.close)
         modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]
         for thinking in modes:
             start = time.time()
@@ -251,10 +261,6 @@ def main(argv: list[str] | None = None) -> int:
             key = "thinking_on" if thinking else "thinking_off"
             report[key] = {"figures": figures, "outcomes": [asdict(o) for o in outcomes]}
             print(f"{key}: {json.dumps(figures)}", flush=True)
-    finally:
-        engine.close()
-        if sim is not None:
-            sim.close()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, ensure_ascii=False))
     return 0

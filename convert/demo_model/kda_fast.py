@@ -23,8 +23,11 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def chunk_kda(query, key, value, g, beta, chunk_size=16, initial_state=None,
-              output_final_state=False, use_qk_l2norm_in_kernel=False, **_kwargs):
+def chunk_kda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, chunk_size: int = 16,
+              initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+              use_qk_l2norm_in_kernel: bool = False, **_kwargs: object
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same signature and result as transformers' ``chunk_kimi_delta_attention``."""
     dtype = query.dtype
     q, k, v, b, g = (x.transpose(1, 2).contiguous().float() for x in (query, key, value, beta, g))
@@ -77,7 +80,8 @@ def chunk_kda(query, key, value, g, beta, chunk_size=16, initial_state=None,
 
 
 def check(seed: int = 0) -> float:
-    """Largest relative difference to transformers' reference over outputs and gradients."""
+    """Largest relative difference to transformers' reference over the output, the final
+    state and the gradients of every input (the initial state included)."""
     from transformers.models.bailing_hybrid import modeling_bailing_hybrid as reference
 
     gen = torch.Generator().manual_seed(seed)
@@ -89,14 +93,14 @@ def check(seed: int = 0) -> float:
     inputs = [leaf(torch.randn(b, t, h, d, generator=gen)) for _ in range(3)]
     inputs.append(leaf(-5 * torch.sigmoid(torch.randn(b, t, h, d, generator=gen))))
     inputs.append(leaf(torch.sigmoid(torch.randn(b, t, h, generator=gen))))
-    state = torch.randn(b, h, d, d, generator=gen)
+    state = leaf(torch.randn(b, h, d, d, generator=gen))
     weight = torch.randn(b, t, h, d, generator=gen)
     worst = 0.0
     results = []
     for fn, chunk in ((reference.chunk_kimi_delta_attention, 64), (chunk_kda, 8)):
         out, final = fn(*inputs, chunk_size=chunk, initial_state=state,
                         output_final_state=True, use_qk_l2norm_in_kernel=True)
-        grads = torch.autograd.grad((out * weight).sum() + final.sum(), inputs)
+        grads = torch.autograd.grad((out * weight).sum() + final.sum(), [*inputs, state])
         results.append([out, final, *grads])
     for ref, got in zip(*results, strict=True):
         worst = max(worst, ((ref - got).abs().max() / ref.abs().max()).item())

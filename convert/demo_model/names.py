@@ -48,7 +48,7 @@ def _reserved(name: str) -> bool:
 @dataclass(frozen=True)
 class CityPools:
     famous: tuple[str, ...]  # trained on; the "seen" evaluation draws from these
-    train: tuple[str, ...]  # every real name the corpus may use (famous included)
+    train: tuple[str, ...]  # every usable GeoNames name the corpus may draw (famous ones in it)
     reserved: tuple[str, ...]  # never trained on; the "unseen" evaluation draws from these
     countries: dict[str, str]  # real city -> its country, for "which country is X in?"
     capitals: dict[str, str]  # country -> capital, for "what is the capital of Y?"

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from convert.demo_model.corpus import Conversation, CorpusSampler
-from convert.demo_model.encode import PAD_ID, encode, train_tokenizer
+from convert.demo_model.encode import EOS_ID, PAD_ID, encode, train_tokenizer
 from convert.demo_model.kda_fast import chunk_kda
 from convert.demo_model.model_config import demo_config
 from convert.demo_model.names import MadeUpNames, city_pools
@@ -220,7 +220,10 @@ def save_checkpoint(model, tok_path: Path, out: Path) -> None:
         raise RuntimeError(f"untying failed: missing {missing}, unexpected {unexpected}")
     tmp = out.with_name(out.name + ".tmp")
     untied.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-    GenerationConfig(eos_token_id=[1, 0], pad_token_id=0, do_sample=False).save_pretrained(tmp)
+    # Greedy by default: the demo is a deterministic first test, not a creative writer.
+    # Generation ends at <|role_end|> and at <|endoftext|> (the pad id).
+    GenerationConfig(eos_token_id=[EOS_ID, PAD_ID], pad_token_id=PAD_ID,
+                     do_sample=False).save_pretrained(tmp)
     (tmp / "tokenizer.json").write_bytes(tok_path.read_bytes())
     # A checkpoint carries its chat template: the official one the renderer implements.
     (tmp / "chat_template.jinja").write_bytes(TEMPLATE_FILE.read_bytes())
@@ -232,12 +235,20 @@ def save_checkpoint(model, tok_path: Path, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------- training
+def _logged_step(line: str) -> float:
+    """The step a log line belongs to; a line torn by the interruption counts as later."""
+    try:
+        return json.loads(line).get("t", 0)
+    except ValueError:
+        return math.inf
+
+
 class RunLog:
     def __init__(self, path: Path, keep_until: int | None) -> None:
         self.path = path
         lines = path.read_text().splitlines() if path.exists() else []
         if keep_until is not None:  # resume: drop what was logged after the saved state
-            lines = [ln for ln in lines if json.loads(ln).get("t", 0) <= keep_until]
+            lines = [ln for ln in lines if _logged_step(ln) <= keep_until]
         else:
             lines = []
         path.write_text("".join(ln + "\n" for ln in lines))
@@ -269,7 +280,10 @@ def train(plan: Plan, out: Path, resume: bool, threads: int) -> None:
     phase, step, total, copy_done_at, elapsed0 = 1, 0, 0, None, 0.0
     resuming = resume and state_path.exists()
     if resuming:
-        saved = torch.load(state_path, weights_only=False)
+        saved = torch.load(state_path, weights_only=True)
+        if saved.get("seed", plan.seed) != plan.seed:
+            raise SystemExit(f"{state_path} is a run with seed {saved['seed']}, not "
+                             f"{plan.seed}: resume it with that seed or start elsewhere")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         phase, step, total = saved["phase"], saved["step"], saved["total"]
@@ -292,6 +306,7 @@ def train(plan: Plan, out: Path, resume: bool, threads: int) -> None:
     def checkpoint() -> None:
         tmp = state_path.with_suffix(".tmp")
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "phase": phase,
+                    "seed": plan.seed,
                     "step": step, "total": total, "copy_done_at": copy_done_at,
                     "elapsed": time.time() - start}, tmp)
         tmp.replace(state_path)
