@@ -708,6 +708,8 @@ class BundleWriter:
             rel = p.relative_to(self.workdir).as_posix()
             if rel == MANIFEST:
                 raise BundleError(f"{MANIFEST} is written by commit()")
+            # safetensors writes 0600; a bundle is read by another user (the service).
+            p.chmod(0o644)
             st = p.stat()
             known = self._journal.get(rel)
             if known is not None and (known["size"], known["mtime_ns"]) == (st.st_size,
@@ -724,6 +726,9 @@ class BundleWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, manifest_path)
+        manifest_path.chmod(0o644)
+        for d in (self.workdir, *(q for q in self.workdir.rglob("*") if q.is_dir())):
+            d.chmod(0o755)
         self._journal_path.unlink(missing_ok=True)
         old = None
         if self.target.exists():

@@ -390,3 +390,24 @@ def test_resume_drops_journal_entries_whose_file_changed(tmp_path):
         assert not (w.workdir / "weights.safetensors").exists()
     with pytest.raises(MissingFileError), BundleWriter(tmp_path / "p") as w:
         w.record("never-written.bin")
+
+
+def test_committed_files_are_readable_by_the_service_user(tmp_path):
+    """The converter runs as one user, the service as another: 0644 files, 0755 dirs,
+    whatever the writers left (safetensors writes 0600)."""
+    body = manifest_body()
+    with BundleWriter(tmp_path / "b", overwrite=False) as w:
+        for rel, data in (("tokenizer.json", b"{}"), ("chat_template.jinja", TEMPLATE),
+                          ("weights.safetensors", b"W" * 1000),
+                          ("stages/layer0.in.onnx", b"onnx-bytes"),
+                          ("stages/layer0.in.rknn", b"rknn-bytes!"),
+                          ("experts/layer1.safetensors", b"E" * 5000),
+                          ("experts/layer1.onnx", b"qmoe")):
+            w.path(rel).write_bytes(data)
+            w.path(rel).chmod(0o600)
+            w.path(rel).parent.chmod(0o700)
+            w.record(rel)
+        bundle_dir = w.commit(body)
+    for p in [bundle_dir, *bundle_dir.rglob("*")]:
+        want = 0o755 if p.is_dir() else 0o644
+        assert p.stat().st_mode & 0o777 == want, p
