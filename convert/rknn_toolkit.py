@@ -119,7 +119,9 @@ def build_rknn(
     if quant == "w8a8" and calibration is None:
         raise ValueError("w8a8 quantization needs a calibration set of real inputs")
     python = rknn_python()
-    out_path = Path(out_path)
+    # Absolute: the toolkit process runs in its own work directory, so a path relative to
+    # ours (`ling3-rknn convert ckpt out/`) would point nowhere there.
+    onnx_path, out_path = Path(onnx_path).resolve(), Path(out_path).resolve()
     with tempfile.TemporaryDirectory(prefix="ling3-rknn-") as tmp:
         work = Path(tmp)
         cmd = [str(python), str(BUILD_SCRIPT), "--onnx", str(onnx_path), "--out", str(out_path),
@@ -131,7 +133,7 @@ def build_rknn(
             if isinstance(calibration, Mapping):
                 _save_samples(work / "calib.npz", calibration)
                 calibration = work / "calib.npz"
-            cmd += ["--calibration", str(calibration)]
+            cmd += ["--calibration", str(Path(calibration).resolve())]
         groups = ([] if simulate_inputs is None else [simulate_inputs]
                   if isinstance(simulate_inputs, Mapping) else list(simulate_inputs))
         for g, feeds in enumerate(groups):

@@ -127,3 +127,27 @@ def test_cpu_fallback_ops_are_parsed_from_the_layer_table():
     ])
     assert cpu_fallback_ops(log) == ("Exp:exp_1",)
     assert cpu_fallback_ops("no table here") == ()
+
+
+def test_relative_paths_reach_the_toolkit_process_absolute(tmp_path, monkeypatch):
+    """`ling3-rknn convert ckpt out/` passes paths relative to the caller's directory; the
+    toolkit process runs in its own work directory, so they must arrive absolute."""
+    import subprocess
+
+    from convert import rknn_toolkit
+
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"], seen["cwd"] = cmd, kwargs.get("cwd")
+        raise subprocess.TimeoutExpired(cmd, 0)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(rknn_toolkit, "rknn_python", lambda: "python3")
+    monkeypatch.setattr(rknn_toolkit.subprocess, "run", fake_run)
+    with pytest.raises(rknn_toolkit.RknnBuildError):
+        rknn_toolkit.build_rknn("stages/a.onnx", "stages/a.rknn", quant="fp16")
+    cmd = seen["cmd"]
+    for flag in ("--onnx", "--out"):
+        value = cmd[cmd.index(flag) + 1]
+        assert value == str(tmp_path / "stages" / value.rsplit("/", 1)[-1])

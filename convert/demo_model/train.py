@@ -16,11 +16,11 @@ s)``), so ``--resume`` after an interruption continues the same run. About 85 mi
    the third 16 short items (echo + one-tool chats); the learning rate stays high for 70 %
    of the steps, then decays (city accuracy still rises late).
 
-Also from the study: loss on assistant tokens only, input/output embeddings tied while
-training (copying a rare name piece is then close to an identity map) and saved untied as
-the architecture has them, the safe-gate forget gate re-initialised into its responsive
-range (``A_log`` 0, ``dt_bias`` in (-5, -1); transformers' default leaves the sigmoid
-saturated and the gate gets no gradient), and the batched KDA of ``kda_fast``.
+Also from the study: loss on assistant tokens only, the safe-gate forget gate
+re-initialised into its responsive range (``A_log`` 0, ``dt_bias`` in (-5, -1);
+transformers' default leaves the sigmoid saturated and the gate gets no gradient), and
+the batched KDA of ``kda_fast``. Input embedding and lm_head are separate parameters, as
+in the architecture (transformers never ties this model's weights).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def new_model(plan: Plan):
     from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
     torch.manual_seed(plan.seed)
-    config = BailingHybridConfig(**{**demo_config(), "tie_word_embeddings": True})
+    config = BailingHybridConfig(**demo_config())
     model = BailingHybridForCausalLM(config)
     gen = torch.Generator().manual_seed(plan.seed + 1)
     for layer in model.model.layers:
@@ -208,18 +208,12 @@ def learning_rate(plan: Plan, phase: int, step: int) -> float:
 
 
 def save_checkpoint(model, tok_path: Path, out: Path) -> None:
-    """The trained model as Ling-3.0 ships: untied lm_head, bf16 safetensors, HF names."""
-    from transformers import BailingHybridConfig, BailingHybridForCausalLM, GenerationConfig
+    """The trained model as Ling-3.0 ships: bf16 safetensors, transformers' names."""
+    from transformers import GenerationConfig
 
-    config = BailingHybridConfig(**demo_config())
-    untied = BailingHybridForCausalLM(config)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-    missing, unexpected = untied.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"untying failed: missing {missing}, unexpected {unexpected}")
     tmp = out.with_name(out.name + ".tmp")
-    untied.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    model.to(torch.float32)
     # Greedy by default: the demo is a deterministic first test, not a creative writer.
     # Generation ends at <|role_end|> and at <|endoftext|> (the pad id).
     GenerationConfig(eos_token_id=[EOS_ID, PAD_ID], pad_token_id=PAD_ID,
