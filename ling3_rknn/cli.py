@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import ipaddress
-import json
 import logging
 import os
 import re
@@ -21,9 +19,6 @@ from pathlib import Path
 from typing import Any
 
 API_KEY_ENV = "LING3_RKNN_API_KEY"
-DEFAULT_MODEL_ID = "ling-3.0-tiny"
-# The MLA latent cache grows with the context; 32K fits the CM3588's RAM next to the model.
-DEFAULT_MAX_CONTEXT = 32768
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
@@ -61,11 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    source = serve.add_mutually_exclusive_group(required=True)
+    source = serve.add_mutually_exclusive_group()
     source.add_argument("--bundle", type=Path, metavar="DIR", help="converted model bundle")
     source.add_argument("--hf", type=Path, metavar="DIR", help="HF checkpoint (numpy model)")
     source.add_argument(
-        "--demo", action="store_true", help="the built-in demo model (untrained placeholder)"
+        "--demo", action="store_true",
+        help="the embedded demo model (also what serve runs with no model flag)",
     )
     serve.add_argument("--tokenizer", type=Path, metavar="FILE", help="tokenizer.json for --hf")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
@@ -79,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", type=Path, metavar="DIR", help="persist the prefix cache")
     serve.add_argument("--max-context", type=_positive_int, metavar="N", help="context limit")
     serve.add_argument(
-        "--model-id", default=None, help=f"served model id (default {DEFAULT_MODEL_ID})"
+        "--model-id", default=None,
+        help="served model id (default ling-3.0-tiny; the demo: ling-3.0-tiny-demo)",
     )
     serve.add_argument(
         "--model-alias",
@@ -95,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait for the model before new ones get 503 (default 16)",
     )
     serve.add_argument("--max-body-bytes", type=parse_size, default=16 * 1024**2, metavar="N")
+    serve.add_argument(
+        "--drain-seconds", type=float, default=0.0, metavar="S",
+        help="after SIGTERM keep answering /health and new requests with 503 for S seconds "
+             "(load balancers stop sending) before ending running requests (default 0)",
+    )
+    serve.add_argument(
+        "--verify", choices=["stamped", "full", "size"], default="stamped",
+        help="bundle check at start: sha256 of every file, remembered while the files are "
+             "unchanged (stamped, default), always (full), or sizes only (size: opt-out)",
+    )
     _add_convert(commands)
     return parser
 
@@ -155,110 +162,28 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
     return options
 
 
-def _engine(
-    model: Any,
-    tokenizer: Any,
-    options: dict[str, object],
-    *,
-    generation_config: dict[str, Any] | None = None,
-    weights_identity: str | None = None,
-) -> object:
-    """Defaults that depend on the model: the served id, a context limit that fits the
-    board's memory unless ``--max-context`` says otherwise, the sampling defaults of the
-    model's generation config, and the weights identity that keeps persisted prefix-cache
-    files from ever being reused by other weights."""
-    from ling3_rknn.engine import Engine, defaults_from_generation_config
-
-    options = dict(options)
-    if generation_config:
-        options["generation_defaults"] = defaults_from_generation_config(generation_config)
-    if weights_identity is not None:
-        options["weights_identity"] = weights_identity
-    options.setdefault("model_id", DEFAULT_MODEL_ID)
-    if "max_context" not in options:
-        options["max_context"] = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-    return Engine(model, tokenizer, **options)
-
-
-def _read_generation_config(path: Path) -> dict[str, Any] | None:
-    """An HF ``generation_config.json`` if the checkpoint has one (it is optional)."""
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path.name}: not readable JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path.name}: expected a JSON object")
-    return data
-
-
 def make_loader(args: argparse.Namespace) -> Callable[[], object]:
     """The function the server runs in a thread to build the engine."""
+    from ling3_rknn import loading
+
     options = _engine_options(args)
-    if args.demo:
-
-        def load_demo() -> object:
-            from ling3_rknn.demo import load_demo_engine
-
-            print(
-                "ling3-rknn: serving the DEMO model: an untrained random placeholder with a "
-                "toy tokenizer. Its output is gibberish; use --bundle for the real model.",
-                file=sys.stderr,
-                flush=True,
-            )
-            return load_demo_engine(**options)
-
-        return load_demo
     if args.hf is not None:
         hf_dir: Path = args.hf
         tokenizer_path: Path = args.tokenizer or hf_dir / "tokenizer.json"
+        return lambda: loading.engine_from_hf(hf_dir, tokenizer_path, options)
+    if args.bundle is not None:
+        bundle_dir: Path = args.bundle
+        return lambda: loading.engine_from_bundle(bundle_dir, options, verify=args.verify)
 
-        def load_hf() -> object:
-            from ling3_rknn.model import Model
-            from ling3_rknn.tokenizer import Tokenizer
+    def load_demo() -> object:
+        from ling3_rknn.demo import load_demo_engine
 
-            if not tokenizer_path.is_file():
-                raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
-            return _engine(
-                Model.from_hf(hf_dir),
-                Tokenizer.from_file(tokenizer_path),
-                options,
-                generation_config=_read_generation_config(hf_dir / "generation_config.json"),
-            )
+        print("ling3-rknn: serving the embedded demo model (a 7.1M-parameter Ling-3.0 trained "
+              "as a tiny weather/time agent); --bundle DIR serves a converted Ling-3.0-tiny.",
+              file=sys.stderr, flush=True)
+        return load_demo_engine(**options)
 
-        return load_hf
-    bundle_dir: Path = args.bundle
-
-    def load_bundle() -> object:
-        from ling3_rknn.bundle import Bundle
-        from ling3_rknn.chat import TEMPLATE_SHA256
-
-        # Typed errors for a missing/incomplete/corrupt bundle first (before the model
-        # package loads); a template other than the one the renderer implements is a loud
-        # warning.
-        bundle = Bundle.open(bundle_dir, verify="size", expected_template_sha256=TEMPLATE_SHA256)
-        from ling3_rknn.model import Model
-        from ling3_rknn.tokenizer import Tokenizer
-
-        from_bundle = getattr(Model, "from_bundle", None)
-        if from_bundle is None:
-            raise RuntimeError(
-                "this build cannot load bundles yet; serve an HF checkpoint with "
-                "--hf DIR --tokenizer FILE"
-            )
-        tokenizer = Tokenizer.from_file(bundle.path(bundle.manifest.tokenizer))
-        # The manifest holds the sha256 of every file, so its own hash names the weights.
-        identity = hashlib.sha256((bundle.root / "manifest.json").read_bytes()).hexdigest()
-        return _engine(
-            from_bundle(bundle.root),
-            tokenizer,
-            options,
-            generation_config=bundle.manifest.generation_config,
-            weights_identity=f"bundle:{identity}",
-        )
-
-    return load_bundle
+    return load_demo
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -275,10 +200,14 @@ def serve(args: argparse.Namespace) -> int:
             args.host,
             API_KEY_ENV,
         )
+    if args.drain_seconds < 0:
+        print("ling3-rknn: --drain-seconds must not be negative", file=sys.stderr)
+        return 2
     config = AppConfig(
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         model_aliases=tuple(args.model_alias),
+        drain_s=args.drain_seconds,
     )
     failed: list[BaseException] = []
     holder = EngineHolder()

@@ -198,3 +198,14 @@ def test_without_rknnlite_the_board_path_fails_clearly(bundle, tmp_path) -> None
     proc = check(bundle, "--runs", "1", cwd=tmp_path)
     assert proc.returncode == 1
     assert "FAIL rknnlite import" in proc.stdout and "--mock" in proc.stdout
+
+
+def test_default_is_the_embedded_demo_bundle(tmp_path) -> None:
+    """A new board's first smoke test: no argument checks the shipped demo bundle (real
+    ``.rknn`` files from the toolkit, their twins run by the mock here)."""
+    proc = check("--mock", "--runs", "2", "--full", "--json", tmp_path / "out.json",
+                 cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert Path(report["bundle"]).parts[-3:] == ("ling3_rknn", "demo", "bundle")
+    assert report["decode_floor"]["calls"] == 9  # 4 layers x (in, out) + final

@@ -42,8 +42,8 @@ def test_api_key_from_environment(monkeypatch):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["serve"],
         ["serve", "--demo", "--bundle", "b"],
+        ["serve", "--hf", "h", "--bundle", "b"],
         ["serve", "--demo", "--port", "70000"],
         ["serve", "--demo", "--max-context", "0"],
         ["serve", "--demo", "--cache-bytes", "lots"],
@@ -81,3 +81,30 @@ def test_engine_options_only_pass_what_was_given():
     argv = ["serve", "--demo", "--max-queue", "4", "--max-context", "512", "--model-id", "x"]
     options = cli._engine_options(cli.build_parser().parse_args(argv))
     assert options == {"max_queue": 4, "max_context": 512, "model_id": "x"}
+
+
+def test_no_model_flag_serves_the_embedded_demo(monkeypatch):
+    loaded = {}
+
+    def fake_demo_engine(**options):
+        loaded.update(options)
+        return "engine"
+
+    monkeypatch.setattr("ling3_rknn.demo.load_demo_engine", fake_demo_engine)
+    for argv in (["serve"], ["serve", "--demo"]):
+        loaded.clear()
+        args = cli.build_parser().parse_args([*argv, "--max-context", "4096"])
+        assert cli.make_loader(args)() == "engine"
+        assert loaded == {"max_context": 4096}
+
+
+def test_max_context_beyond_the_model_is_refused():
+    """Advertising more context than the model's positions would pass prompts the model
+    then fails on after the headers (issue 12, item 8)."""
+    from types import SimpleNamespace
+
+    from ling3_rknn.loading import make_engine
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))
+    with pytest.raises(ValueError, match="max_position_embeddings 8192"):
+        make_engine(model, None, {"max_context": 65536})

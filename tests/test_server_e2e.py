@@ -1,7 +1,8 @@
-"""End to end with no test double: the demo model (tiny random Ling-3.0, vocab 1024, compact
-tokenizer) loaded by the real HF checkpoint loader, run by the real engine, served by the
-real server, driven by the official openai SDK over HTTP on 127.0.0.1; plus the
-``ling3-rknn serve`` process itself (start, health, a completion, SIGTERM)."""
+"""End to end with no test double: the embedded demo bundle (a trained tiny Ling-3.0, its
+stage graphs through the RKNNLite mock, int4 QMoE experts) loaded the way ``serve`` loads
+it, run by the real engine, served by the real server, driven by the official openai SDK
+over HTTP on 127.0.0.1; plus the ``ling3-rknn serve`` process itself (start, health, a
+completion, SIGTERM). The demo as an agent: ``test_demo_agent.py``."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def _wait_for_port(process: subprocess.Popen) -> int:
 
 async def _wait_until_ready(session: aiohttp.ClientSession, base: str) -> None:
     """/health answers 503 while the model loads, then 200."""
-    for _ in range(500):
+    for _ in range(3000):
         async with session.get(base + "/health") as r:
             if r.status == 200:
                 return
@@ -140,8 +141,10 @@ async def _wait_until_ready(session: aiohttp.ClientSession, base: str) -> None:
     raise AssertionError("the model did not become ready")
 
 
-async def test_cli_serve_demo_health_completion_and_sigterm():
-    process = _start_cli("--demo", "--port", "0", "--api-key", "k")
+async def test_cli_serve_default_model_health_completion_and_sigterm():
+    """`ling3-rknn serve` with no model flag: the embedded demo bundle (= `make serve`);
+    after SIGTERM it drains (/health 503 for --drain-seconds), then exits 0."""
+    process = _start_cli("--port", "0", "--api-key", "k", "--drain-seconds", "3")
     try:
         port = await asyncio.to_thread(_wait_for_port, process)
         base = f"http://127.0.0.1:{port}"
@@ -155,6 +158,15 @@ async def test_cli_serve_demo_health_completion_and_sigterm():
         finally:
             await client.close()
         process.send_signal(signal.SIGTERM)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(500):  # the signal is handled within a loop turn
+                async with session.get(base + "/health") as r:
+                    if r.status == 503:
+                        assert (await r.json())["status"] == "draining"
+                        break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError("/health never said draining")
         assert await asyncio.to_thread(process.wait, 20) == 0
     finally:
         if process.poll() is None:

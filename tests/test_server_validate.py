@@ -272,3 +272,12 @@ def test_prompt_cache_hints_are_accepted():
     request = parse_chat_request(body(prompt_cache_key="session-1", prompt_cache_retention="24h",
                                       safety_identifier="user-hash"))
     assert request.messages == [USER]
+
+
+def test_history_calls_may_keep_the_stream_index():
+    """`client.chat.completions.stream(...).get_final_completion()` messages carry each
+    call's chunk index; agents send them back as history unchanged."""
+    calls = {**CALLS, "tool_calls": [{**c, "index": i} for i, c in enumerate(CALLS["tool_calls"])]}
+    parse_chat_request(body(messages=[USER, calls, RESULT_1]))
+    bad = {**CALLS, "tool_calls": [{**CALLS["tool_calls"][0], "index": -1}]}
+    assert rejected(body(messages=[USER, bad, RESULT_1])).param == "messages[1].tool_calls[0].index"

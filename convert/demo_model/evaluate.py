@@ -34,6 +34,8 @@ from typing import Any
 from convert.demo_model.corpus import (
     EVAL_TIME_QUESTIONS,
     EVAL_WEATHER_QUESTIONS,
+    TIME_QUESTIONS,
+    WEATHER_QUESTIONS,
     time_result,
     tool_schema,
     weather_result,
@@ -92,9 +94,17 @@ def make_cases() -> list[Case]:
     return cases
 
 
-def eval_cases(path: Path = CASES_FILE) -> list[Case]:
-    """The committed held-out set (``--write-cases`` regenerates it)."""
-    return [Case(**c) for c in json.loads(path.read_text(encoding="utf-8"))]
+def eval_cases(path: Path = CASES_FILE, wordings: str = "heldout") -> list[Case]:
+    """The committed held-out set (``--write-cases`` regenerates it). ``wordings="train"``
+    asks the same tool questions with the corpus's own wordings instead: a diagnostic that
+    separates copying names from understanding new phrasings."""
+    cases = [Case(**c) for c in json.loads(path.read_text(encoding="utf-8"))]
+    if wordings == "train":
+        for i, case in enumerate(cases):
+            if case.tool:
+                pool = WEATHER_QUESTIONS if case.tool == "get_weather" else TIME_QUESTIONS
+                case.question = random.Random(i).choice(pool).format(c=case.city)
+    return cases
 
 
 def eval_tools() -> list[dict]:
@@ -206,10 +216,11 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
     model.stages.replace_executors(sim.executors())
 
 
-async def evaluate(engine: Engine, thinking: bool, progress: bool = True) -> list[Outcome]:
+async def evaluate(engine: Engine, thinking: bool, progress: bool = True,
+                   wordings: str = "heldout") -> list[Outcome]:
     tools = eval_tools()
     outcomes = []
-    for i, case in enumerate(eval_cases()):
+    for i, case in enumerate(eval_cases(wordings=wordings)):
         outcomes.append(await run_case(engine, case, tools, thinking))
         if progress:
             o = outcomes[-1]
@@ -233,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", type=Path, default=Path(__file__).with_name(
         "calibration.jsonl"), help="the prompts the bundle was converted with (--simulate)")
     ap.add_argument("--thinking", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--wordings", choices=["heldout", "train"], default="heldout",
+                    help="the tool questions' wordings (train: a diagnostic, see eval_cases)")
     ap.add_argument("--json", type=Path, help="write the figures and every answer here")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -243,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     from ling3_rknn.loading import make_engine
 
     model, tok, generation_config = load_model(args.hf, args.bundle)
-    report: dict[str, Any] = {"source": str(args.hf or args.bundle),
+    report: dict[str, Any] = {"source": str(args.hf or args.bundle), "wordings": args.wordings,
                               "stages": "simulator" if args.simulate else "as loaded"}
     with contextlib.ExitStack() as stack:
         if args.simulate:
@@ -255,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]
         for thinking in modes:
             start = time.time()
-            outcomes = asyncio.run(evaluate(engine, thinking, not args.quiet))
+            outcomes = asyncio.run(evaluate(engine, thinking, not args.quiet, args.wordings))
             figures = summarize(outcomes)
             figures["seconds"] = round(time.time() - start, 1)
             key = "thinking_on" if thinking else "thinking_off"

@@ -215,6 +215,9 @@ def _history_tool_call(value: Any, path: str) -> dict[str, Any]:
             "id": _string,
             "type": _one_of("function"),
             "function": lambda v, p: _object(v, p, function, ("name",)),
+            # The OpenAI SDK's stream helpers keep the chunk index on the calls they
+            # assemble; agents append that message to the history as it is.
+            "index": _nullable(_integer(0)),
         },
         ("function",),
     )

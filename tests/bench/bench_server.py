@@ -4,9 +4,10 @@
    one-token pieces through the real renderer, parser, SSE writer and HTTP stack to an
    aiohttp client in the same process; time per token is an upper bound of the server's
    own cost (the client's parsing is included).
-2. Time to first token, prefix-cache miss vs hit: the demo-sized tiny model (vocab 1024,
-   compact tokenizer) through the real engine; TTFT = time from request to the first
-   chunk after the role chunk, with ``max_tokens=1``.
+2. Time to first token, prefix-cache miss vs hit: the embedded demo bundle (trained tiny
+   Ling-3.0, stage graphs on the RKNNLite mock, int4 QMoE experts) through the real
+   engine; TTFT = time from request to the first chunk after the role chunk, with
+   ``max_tokens=1``.
 3. Requests/s for 16 concurrent non-stream clients, on both engines; every response is
    checked (status 200, one choice, usage) and counted.
 

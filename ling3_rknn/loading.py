@@ -1,0 +1,122 @@
+"""Build a serving ``Engine`` from a bundle or an HF checkpoint.
+
+One place for what the model brings to the engine: the served id, a context limit that fits
+the board's memory unless the caller says otherwise, the sampling defaults of the model's
+generation config, and the weights identity that keeps persisted prefix-cache files from
+ever being reused by other weights. ``ling3-rknn serve`` and the embedded demo both load
+through here, so the default model is served exactly the way a user's bundle is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ling3_rknn.engine import Engine
+
+DEFAULT_MODEL_ID = "ling-3.0-tiny"
+# The MLA latent cache grows with the context; 32K fits the CM3588's RAM next to the model.
+DEFAULT_MAX_CONTEXT = 32768
+
+
+def make_engine(
+    model: Any,
+    tokenizer: Any,
+    options: dict[str, object],
+    *,
+    generation_config: dict[str, Any] | None = None,
+    weights_identity: str | None = None,
+    default_model_id: str = DEFAULT_MODEL_ID,
+) -> Engine:
+    """The engine for ``model``: ``options`` (the Engine's keyword arguments, as the CLI
+    collected them) win over what the model brings (see the module docstring)."""
+    from ling3_rknn.engine import Engine, defaults_from_generation_config
+
+    options = dict(options)
+    if generation_config:
+        options["generation_defaults"] = defaults_from_generation_config(generation_config)
+        options.setdefault("eos_token_ids", _eos_ids(generation_config))
+    if weights_identity is not None:
+        options["weights_identity"] = weights_identity
+    options.setdefault("model_id", default_model_id)
+    limit = model.config.max_position_embeddings
+    if "max_context" not in options:
+        options["max_context"] = min(limit, DEFAULT_MAX_CONTEXT)
+    elif int(options["max_context"]) > limit:  # type: ignore[call-overload]
+        # Advertising more would let prompts through that the model then fails on.
+        raise ValueError(f"--max-context {options['max_context']} is beyond what the model "
+                         f"supports (max_position_embeddings {limit})")
+    return Engine(model, tokenizer, **options)
+
+
+def _eos_ids(generation_config: dict[str, Any]) -> list[int]:
+    """``eos_token_id`` of a generation config: one id, a list of ids, or absent."""
+    eos = generation_config.get("eos_token_id")
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"generation config: eos_token_id must be a token id or a list of "
+                         f"them, got {eos!r}")
+    return ids
+
+
+def read_generation_config(path: Path) -> dict[str, Any] | None:
+    """An HF ``generation_config.json`` if the checkpoint has one (it is optional)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path.name}: not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name}: expected a JSON object")
+    return data
+
+
+def engine_from_hf(hf_dir: Path, tokenizer_path: Path, options: dict[str, object]
+                   ) -> Engine:
+    """The numpy model on an HF checkpoint (no bundle, no NPU)."""
+    from ling3_rknn.model import Model
+    from ling3_rknn.tokenizer import Tokenizer
+
+    if not tokenizer_path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
+    return make_engine(
+        Model.from_hf(hf_dir),
+        Tokenizer.from_file(tokenizer_path),
+        options,
+        generation_config=read_generation_config(hf_dir / "generation_config.json"),
+    )
+
+
+def engine_from_bundle(bundle_dir: Path, options: dict[str, object], *,
+                       default_model_id: str = DEFAULT_MODEL_ID,
+                       verify: str = "stamped") -> Engine:
+    """A converted bundle: RKNNLite on a board, the RKNNLite mock (ONNX twins) on a host.
+    ``verify`` is ``Bundle.verify``'s mode; ``size`` is the explicit opt-out of hashing."""
+    from ling3_rknn.bundle import Bundle
+    from ling3_rknn.chat import TEMPLATE_SHA256
+
+    # Typed errors for a missing/incomplete/corrupt bundle first (before the model package
+    # loads); a template other than the one the renderer implements is a loud warning.
+    bundle = Bundle.open(bundle_dir, verify=verify,  # type: ignore[arg-type]
+                         expected_template_sha256=TEMPLATE_SHA256)
+    from ling3_rknn.model import Model
+    from ling3_rknn.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(bundle.path(bundle.manifest.tokenizer))
+    # The manifest holds the sha256 of every file, so its own hash names the weights.
+    identity = hashlib.sha256((bundle.root / "manifest.json").read_bytes()).hexdigest()
+    return make_engine(
+        Model.from_bundle(bundle, verify="none"),  # opened and verified just above
+        tokenizer,
+        options,
+        generation_config=bundle.manifest.generation_config,
+        weights_identity=f"bundle:{identity}",
+        default_model_id=default_model_id,
+    )
