@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ling3_rknn.engine.api import (
+    Admitted,
     ContextLengthExceeded,
     EngineBusy,
     EngineFailure,
@@ -107,7 +108,8 @@ class ScriptedEngine:
             npu_errors=0,
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TextDelta | Finished]:
+    async def generate(self, request: GenerationRequest
+                       ) -> AsyncIterator[Admitted | TextDelta | Finished]:
         script = self.scripts.popleft() if self.scripts else self.default
         self.requests.append(request)
         prompt_tokens = count_tokens(prompt_text(request))
@@ -126,6 +128,7 @@ class ScriptedEngine:
         self._waiting += 1
         waiting = True
         try:
+            yield Admitted(prompt_tokens)  # queued: every up-front refusal is behind us
             async with self._lock:
                 self._waiting -= 1
                 waiting = False

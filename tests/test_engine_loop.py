@@ -12,6 +12,7 @@ from engine_doubles import FakeSnapshot, ScriptedModel, answer_script
 
 from ling3_rknn.chat.segments import Segment
 from ling3_rknn.engine import (
+    Admitted,
     ContextLengthExceeded,
     Engine,
     EngineBusy,
@@ -94,6 +95,7 @@ async def until(predicate, timeout: float = 30.0) -> None:
 
 async def collect(engine: Engine, request: GenerationRequest):
     events = [e async for e in engine.generate(request)]
+    assert events[0] == Admitted(len(engine.encode_prompt(request.prompt)))
     assert isinstance(events[-1], Finished)
     deltas = [e for e in events[:-1] if isinstance(e, TextDelta)]
     return deltas, events[-1]
@@ -194,7 +196,8 @@ async def test_cancel_stops_within_one_token_and_engine_stays_clean(tok):
     engine, model = make_engine(tok, answer_text=long_answer, delay=0.01)
     with engine:
         stream = engine.generate(GenerationRequest(prompt(), GREEDY))
-        await anext(stream)
+        assert isinstance(await anext(stream), Admitted)
+        assert isinstance(await anext(stream), TextDelta)
         await stream.aclose()  # sets the job's cancel flag before it returns
         calls_at_cancel = len(model.calls)
         await until(lambda: engine.stats().cancelled == 1)
@@ -410,7 +413,8 @@ async def test_boundary_snapshots_cover_header_and_last_message(tok):
 async def test_close_during_a_stream_fails_it_instead_of_hanging(tok):
     engine, _ = make_engine(tok, answer_text=" ".join(["hello"] * 40), delay=0.02)
     stream = engine.generate(GenerationRequest(prompt(), GREEDY))
-    await anext(stream)
+    assert isinstance(await anext(stream), Admitted)
+    assert isinstance(await anext(stream), TextDelta)
     await asyncio.to_thread(engine.close)
 
     async def drain():

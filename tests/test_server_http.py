@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scripted_engine import ScriptedEngine
 from server_harness import chat_body, parse_sse, running_server
 
+from ling3_rknn.engine.api import Admitted, ContextLengthExceeded
 from ling3_rknn.server import AppConfig
 from ling3_rknn.server.state import STATE
 
@@ -463,7 +464,7 @@ async def test_disconnect_mid_stream_cancels_generation(engine):
 
 async def test_disconnect_during_prefill_cancels_generation(engine):
     engine.push("late", prefill_delay_s=30)
-    config = AppConfig(header_wait_s=0.05, keep_alive_s=0.05)
+    config = AppConfig(keep_alive_s=0.05)
     async with running_server(engine, config) as srv:
         async with (
             aiohttp.ClientSession() as s,
@@ -493,13 +494,14 @@ async def test_keep_alive_comments_during_long_prefill():
 
     class GatedPrefill(ScriptedEngine):
         async def generate(self, request):
-            await seen_pings.wait()
             async for event in super().generate(request):
                 yield event
+                if isinstance(event, Admitted):  # accepted: headers go out, then pings
+                    await seen_pings.wait()
 
     engine = GatedPrefill()
     engine.push("</think>done")
-    config = AppConfig(header_wait_s=0.05, keep_alive_s=0.1)
+    config = AppConfig(keep_alive_s=0.1)
     async with (
         running_server(engine, config) as srv,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s,  # hang guard
@@ -519,26 +521,44 @@ async def test_keep_alive_comments_during_long_prefill():
     assert events[1]["choices"][0]["delta"] == {"content": "done"}
 
 
-async def test_context_error_after_headers_is_an_error_event():
-    """A refusal that arrives after the headers went out (slow engine) is an error event
-    with the same code, which opencode maps to its compaction path."""
+async def test_slow_admission_still_refuses_before_the_headers():
+    """Encoding a huge prompt can take seconds (1.6 MB: ~0.9 s here, more on a board); the
+    refusal still comes as the documented 400, never as 200 + an error event, and no
+    keep-alive comment goes out before the request is accepted (issue 12, item 2)."""
 
     class SlowRefusal(ScriptedEngine):
         async def generate(self, request):
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(1.5)  # longer than any header deadline would allow
             async for event in super().generate(request):
                 yield event
 
     engine = SlowRefusal(max_context=16)
-    config = AppConfig(header_wait_s=0.05, keep_alive_s=0.1)
+    config = AppConfig(keep_alive_s=0.05)
     async with running_server(engine, config) as srv, aiohttp.ClientSession() as s:
         status, _, text = await post(
             s, srv.v1 + "/chat/completions", chat_body("word " * 100, stream=True)
         )
+    assert status == 400
+    error = error_of(text)
+    assert error["code"] == "context_length_exceeded"
+    assert "maximum context length is 16 tokens" in error["message"]
+
+
+async def test_context_error_after_admission_is_an_error_event():
+    """An engine that refuses only after admitting (not the real one) still gets the same
+    code in an error event, which opencode maps to its compaction path."""
+
+    class LateRefusal(ScriptedEngine):
+        async def generate(self, request):
+            yield Admitted(1)
+            raise ContextLengthExceeded(40, 16)
+
+    config = AppConfig(keep_alive_s=0.1)
+    async with running_server(LateRefusal(), config) as srv, aiohttp.ClientSession() as s:
+        status, _, text = await post(s, srv.v1 + "/chat/completions", chat_body(stream=True))
     assert status == 200
     events, _ = parse_sse(text)
     assert events[-1]["error"]["code"] == "context_length_exceeded"
-    assert "maximum context length is 16 tokens" in events[-1]["error"]["message"]
 
 
 async def test_shutdown_cancels_running_generations(engine):

@@ -4,6 +4,7 @@
 """
 
 from .api import (
+    Admitted,
     ContextLengthExceeded,
     EngineBusy,
     EngineError,
@@ -24,6 +25,7 @@ from .sampler import LING3_GENERATION_DEFAULTS, defaults_from_generation_config
 
 __all__ = [
     "LING3_GENERATION_DEFAULTS",
+    "Admitted",
     "ContextLengthExceeded",
     "Engine",
     "EngineBusy",

@@ -58,6 +58,17 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """First event of every generation: the prompt is encoded, fits the context and holds
+    a place in the queue. Every refusal that needs no generation (busy, prompt too long,
+    bad request) is raised before it, however long encoding took, so a server sends its
+    response headers only after this event and never has to turn a refusal into an error
+    event."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class TextDelta:
     """Newly decoded text; never half a UTF-8 character, never part of a stop string."""
 
@@ -77,7 +88,7 @@ class Finished:
     text: str  # the whole generated text, without the EOS marker or a matched stop string
 
 
-GenerationEvent = TextDelta | Finished
+GenerationEvent = Admitted | TextDelta | Finished
 
 
 class EngineError(Exception):
@@ -132,9 +143,10 @@ class EngineStats:
 
 
 class EngineProtocol(Protocol):
-    """What the server needs. ``generate`` raises ContextLengthExceeded or EngineBusy
-    before yielding anything; closing the iterator (or cancelling the consuming task)
-    cancels the generation within one token and leaves the engine clean."""
+    """What the server needs. ``generate`` raises ContextLengthExceeded, EngineBusy or
+    InvalidRequest before yielding anything, then yields ``Admitted`` first; closing the
+    iterator (or cancelling the consuming task) cancels the generation within one token
+    and leaves the engine clean."""
 
     model_id: str
     max_context: int

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .api import (
+    Admitted,
     ContextLengthExceeded,
     EngineBusy,
     EngineFailure,
@@ -201,6 +202,7 @@ class Engine:
                 with self._admission:
                     self._waiting -= 1
         try:
+            yield Admitted(len(prompt.ids))
             while True:
                 event = await events.get()
                 if isinstance(event, BaseException):

@@ -83,10 +83,13 @@ async def _whole(request: web.Request, completion: Completion, model: str) -> we
     metrics = request.app[METRICS]
     started = time.monotonic()
     await completion.start()
-    metrics.time_to_first_token.observe(time.monotonic() - started)
     message = MessageBuilder()
     done: DoneOut | None = None
+    first = True
     async for event in completion.events():
+        if first:
+            metrics.time_to_first_token.observe(time.monotonic() - started)
+            first = False
         if isinstance(event, ReasoningOut):
             message.reasoning.append(event.text)
         elif isinstance(event, ContentOut):
@@ -113,11 +116,12 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
     config, metrics = app[CONFIG], app[METRICS]
     chunks = ChunkFactory(new_completion_id(), model, completion.request.include_usage)
     started = time.monotonic()
+    # Admission first: every refusal that needs no generation (busy, prompt too long) is
+    # a plain HTTP error, however long encoding a huge prompt takes; keep-alive comments
+    # start only once the request is accepted.
     first = asyncio.ensure_future(completion.start())
     try:
-        await asyncio.wait({first}, timeout=config.header_wait_s)
-        if first.done():
-            first.result()  # the engine's up-front refusals become plain HTTP errors
+        await first
         response = web.StreamResponse(headers=SseWriter.headers(request[RID]))
         try:
             await response.prepare(request)
@@ -176,8 +180,11 @@ async def _stream_events(
 ) -> None:
     metrics = request.app[METRICS]
     await first
-    metrics.time_to_first_token.observe(time.monotonic() - started)
+    first_event = True
     async for event in completion.events():
+        if first_event:
+            metrics.time_to_first_token.observe(time.monotonic() - started)
+            first_event = False
         if isinstance(event, ContentOut):
             await writer.write(chunks.content_event(event.text))
         elif isinstance(event, ReasoningOut):

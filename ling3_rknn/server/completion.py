@@ -8,15 +8,17 @@ calls) belong to ``ling3_rknn.chat``; this module only wires them to the engine.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ling3_rknn import chat
 from ling3_rknn.engine.api import (
+    Admitted,
     ContextLengthExceeded,
     EngineBusy,
     EngineFailure,
@@ -121,11 +123,28 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
     )
 
 
+@contextlib.contextmanager
+def _engine_errors(ended: str, request_id: str) -> Iterator[None]:
+    """The engine's typed errors as the HTTP errors clients act on."""
+    try:
+        yield
+    except ContextLengthExceeded as exc:
+        raise context_length_exceeded(str(exc)) from None
+    except EngineBusy as exc:
+        raise busy(str(exc) or "The server is busy; retry shortly.") from None
+    except InvalidRequest as exc:
+        raise invalid_request(str(exc)) from None
+    except EngineFailure as exc:
+        raise engine_failure(exc, request_id) from None
+    except StopAsyncIteration:
+        raise ApiError(500, ended, type="server_error") from None
+
+
 class Completion:
     """Drives one generation: engine text in, completion events out.
 
-    ``start()`` obtains the engine's first event, so the engine's up-front refusals
-    (busy, prompt too long) surface as HTTP errors before any response header is sent.
+    ``start()`` waits for the engine's admission, so its up-front refusals (busy, prompt
+    too long) surface as HTTP errors before any response header is sent.
     ``close()`` cancels the generation; it is safe to call at any time, more than once.
     """
 
@@ -141,7 +160,7 @@ class Completion:
         )
         self._engine = engine
         self._generation_request = generation_request(request, prompt)
-        self._generation: AsyncIterator[TextDelta | Finished] | None = None
+        self._generation: AsyncIterator[Admitted | TextDelta | Finished] | None = None
         self._first: TextDelta | Finished | None = None
         self._calls = 0
         self._reasoning_tokens = 0
@@ -150,27 +169,22 @@ class Completion:
         self.finished: Finished | None = None
 
     async def start(self) -> None:
-        try:
-            # Inside the try: an engine may also refuse synchronously, not only on first event.
+        """Admission: returns once the engine accepted the request (``Admitted``); every
+        refusal that needs no generation is raised here as an ``ApiError``, however long
+        encoding the prompt takes, so it can still be a plain HTTP error."""
+        # Inside the try: an engine may also refuse synchronously, not only on first event.
+        with _engine_errors("The engine ended without a result.", self._request_id):
             self._generation = self._engine.generate(self._generation_request)
-            self._first = await anext(self._generation)
-        except ContextLengthExceeded as exc:
-            raise context_length_exceeded(str(exc)) from None
-        except EngineBusy as exc:
-            raise busy(str(exc) or "The server is busy; retry shortly.") from None
-        except InvalidRequest as exc:
-            raise invalid_request(str(exc)) from None
-        except EngineFailure as exc:
-            raise engine_failure(exc, self._request_id) from None
-        except StopAsyncIteration:
-            raise ApiError(500, "The engine ended without a result.", type="server_error") from None
+            first = await anext(self._generation)
+        if not isinstance(first, Admitted):  # an engine without admission events
+            self._first = first
 
     async def events(self) -> AsyncIterator[CompletionEvent]:
-        if self._first is None:
+        if self._generation is None:
             await self.start()
-        event = self._first
+        event = self._first if self._first is not None else await self._next()
         self._first = None
-        while event is not None:
+        while True:
             if isinstance(event, Finished):
                 self.finished = event
                 for out in self._convert(self._parser.finish()):
@@ -178,19 +192,17 @@ class Completion:
                 reasoning = self._reasoning_tokens if self._saw_reasoning else 0
                 yield DoneOut(self._finish_reason(event), event.usage, reasoning)
                 return
-            if not self._answering:
-                self._reasoning_tokens += len(event.token_ids)
-            for out in self._convert(self._parser.feed(event.text)):
-                yield out
-            try:
-                assert self._generation is not None
-                event = await anext(self._generation)
-            except EngineFailure as exc:
-                raise engine_failure(exc, self._request_id) from None
-            except StopAsyncIteration:
-                raise ApiError(
-                    500, "The engine stopped without finishing.", type="server_error"
-                ) from None
+            if isinstance(event, TextDelta):
+                if not self._answering:
+                    self._reasoning_tokens += len(event.token_ids)
+                for out in self._convert(self._parser.feed(event.text)):
+                    yield out
+            event = await self._next()
+
+    async def _next(self) -> TextDelta | Finished | Admitted:
+        assert self._generation is not None
+        with _engine_errors("The engine stopped without finishing.", self._request_id):
+            return await anext(self._generation)
 
     async def close(self) -> None:
         if self._generation is None:

@@ -20,9 +20,6 @@ class AppConfig:
     max_body_bytes: int = 16 * 1024 * 1024  # long agent histories plus tool schemas
     keep_alive_s: float = 10.0
     model_aliases: tuple[str, ...] = ()
-    # How long a streamed request holds its response headers back waiting for the engine's
-    # first event, so that "busy" or "prompt too long" still become HTTP errors.
-    header_wait_s: float = 1.0
     shutdown_timeout_s: float = 10.0
     # After SIGTERM, how long the listener stays open answering /health and new requests
     # with 503 before running requests are ended: time for a load balancer to stop sending.
