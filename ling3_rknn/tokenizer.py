@@ -32,25 +32,6 @@ from typing import Protocol
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-# Template markers that must never be produced from TEXT even if a tokenizer.json marks them
-# non-special (e.g. Qwen-style files mark <think> "special": false).
-CONTROL_TOKEN_NAMES: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|role_end|>",
-    "<role>",
-    "</role>",
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<arg_key>",
-    "</arg_key>",
-    "<arg_value>",
-    "</arg_value>",
-    "<tool_response>",
-    "</tool_response>",
-)
-EOS_NAME = "<|role_end|>"
 # The special tokens an assistant turn may contain (reasoning and tool-call markup); the
 # chat parser reads them. Any other special token in generated output ends the turn.
 ANSWER_MARKERS: tuple[str, ...] = (
@@ -63,6 +44,18 @@ ANSWER_MARKERS: tuple[str, ...] = (
     "<arg_value>",
     "</arg_value>",
 )
+# Template markers that must never be produced from TEXT even if a tokenizer.json marks them
+# non-special (e.g. Qwen-style files mark <think> "special": false).
+CONTROL_TOKEN_NAMES: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|role_end|>",
+    "<role>",
+    "</role>",
+    *ANSWER_MARKERS,
+    "<tool_response>",
+    "</tool_response>",
+)
+EOS_NAME = "<|role_end|>"
 
 
 class TokenizerError(ValueError):
