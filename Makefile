@@ -80,6 +80,8 @@ demo-bundle: $(STAMP) rknn-env
 		--calibration $(DEMO)/calibration.jsonl --overwrite
 
 demo-eval: $(STAMP)
-	$(VENV)/bin/python -m convert.demo_model.evaluate --hf $(DEMO)/checkpoint --json $(DEMO)/eval_hf.json
+	mkdir -p $(DEMO)/.work
+	$(VENV)/bin/python -m convert.demo_model.evaluate --hf $(DEMO)/checkpoint \
+		--json $(DEMO)/.work/eval_hf.json
 	$(VENV)/bin/python -m convert.demo_model.evaluate --bundle ling3_rknn/demo/bundle \
-		--json $(DEMO)/eval_bundle.json
+		--json $(DEMO)/.work/eval_bundle.json
