@@ -121,6 +121,13 @@ async def bench_real(clients: int, per_client: int) -> dict:
     from ling3_rknn.demo import load_demo_engine
 
     engine = load_demo_engine(model_id=MODEL)
+    try:
+        return await _bench_real(engine, clients, per_client)
+    finally:  # a live worker thread at interpreter exit aborts onnxruntime's teardown
+        await asyncio.to_thread(engine.close)
+
+
+async def _bench_real(engine, clients: int, per_client: int) -> dict:
     system = "You are a careful assistant for a coding agent. " * 40
     out: dict = {}
     async with running_server(engine) as srv, aiohttp.ClientSession() as session:
