@@ -1,6 +1,6 @@
 """The demo model's architecture: Ling-3.0's structure at a size a 2-core CPU can train.
 
-Every structural feature of the real model is present (ling3-model.md): KDA layers with the
+Every structural feature of the real model is present (docs/demo-model.md): KDA layers with the
 safe gate and short convolutions, MLA layers with a q LoRA, a dense first layer, MoE with
 expert groups and a shared expert, an untied lm_head, rope_theta 6e6. Choices that differ
 from Ling-3.0-tiny and why:
