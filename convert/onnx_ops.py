@@ -1,7 +1,7 @@
 """Small ONNX graph builder with the op vocabulary of the NPU stage graphs.
 
 Every helper emits the op pattern the RK3588 compiler is known to map onto the NPU
-(rknn-toolchain.md section 2.5): MatMul against a constant weight becomes a 1x1 Conv,
+(rknn-toolkit2 2.5.0's layer table, convert/README.md): MatMul against a constant weight becomes a 1x1 Conv,
 RMSNorm spelled as Mul/ReduceMean/Add/Sqrt/Div/Mul fuses to exNorm, ``g*sigmoid(g)*u``
 fuses to ConvExSwish + ConvMul. Exp is avoided (it falls back to the CPU).
 

@@ -3,13 +3,13 @@
 Inputs are measured, not guessed: routing counts per (MoE layer, expert) collected by
 running the model on calibration prompts, the byte size of one NPU expert graph, and the
 NPU-resident bytes of the dense stages. RKNNLite maps every model into one ~4 GB IOMMU
-window shared system-wide (rknn-toolchain.md section 6), so the experts get what the dense
+window shared system-wide (rknn-toolkit-lite2 2.5.0, RK3588), so the experts get what the dense
 stages leave of it, minus a reserve for the runtime's buffers.
 
 Experts are promoted most-used first (the probability that a token routes to them), as
 long as they fit the byte budget and the expected NPU calls per decoded token stay under
 a cap: every promoted expert that a token selects costs one more RKNNLite call, and the
-per-call overhead is what makes a token slow (DESIGN.md: tens of calls, not hundreds).
+per-call overhead is what makes a token slow (a token must take tens of calls, not hundreds).
 Promoted experts are spread round-robin over the three cores so a token's NPU experts
 can run in parallel; their graphs are named ``layer.<L>.expert.<E>`` in the manifest.
 """
