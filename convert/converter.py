@@ -234,7 +234,8 @@ class _StageWriter:
         self.writer.record(rknn_rel)
 
     def _write_twin(self, graph: StageGraph, src: Path, onnx_rel: str, name: str) -> None:
-        # fp16/fp32: the twin is the very graph the .rknn was compiled from (README: the mocked NPU).
+        # fp16/fp32: the twin is the very graph the .rknn was compiled from (README: the
+        # mocked NPU).
         # w8a8: the same graph with the int8 quantization simulated, so host runs show
         # its error.
         if self.quant == "w8a8":

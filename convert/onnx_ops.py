@@ -1,9 +1,9 @@
 """Small ONNX graph builder with the op vocabulary of the NPU stage graphs.
 
 Every helper emits the op pattern the RK3588 compiler is known to map onto the NPU
-(rknn-toolkit2 2.5.0's layer table, convert/README.md): MatMul against a constant weight becomes a 1x1 Conv,
-RMSNorm spelled as Mul/ReduceMean/Add/Sqrt/Div/Mul fuses to exNorm, ``g*sigmoid(g)*u``
-fuses to ConvExSwish + ConvMul. Exp is avoided (it falls back to the CPU).
+(rknn-toolkit2 2.5.0's layer table, convert/README.md): MatMul against a constant weight
+becomes a 1x1 Conv, RMSNorm spelled as Mul/ReduceMean/Add/Sqrt/Div/Mul fuses to exNorm,
+``g*sigmoid(g)*u`` fuses to ConvExSwish + ConvMul. Exp is avoided (it falls back to the CPU).
 
 Weights follow the Hugging Face convention (``[out, in]``) at the call site and are
 stored transposed as ``[in, out]`` initializers, which is what MatMul wants. Graphs use
