@@ -34,9 +34,10 @@ def run_convert(args: argparse.Namespace) -> int:
             BundleError, RknnToolkitError) as exc:
         print(f"ling3-rknn convert: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    npu = sum(report.stage_bytes.values())
+    stage_mib = sum(report.stage_bytes.values()) / 2**20
+    where = "NPU-resident" if args.target == "rk3588" else "of CPU stage weights"
     print(f"bundle written to {report.bundle} in {report.seconds:.1f} s; "
-          f"{len(report.stage_bytes)} NPU graphs, {npu / 2**20:.1f} MiB NPU-resident")
+          f"{len(report.stage_bytes)} stage graphs, {stage_mib:.1f} MiB {where}")
     if report.placement is not None:
         p = report.placement
         print(f"placement: {sum(len(v) for v in p.plan.npu_experts.values())} experts on the "

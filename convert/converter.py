@@ -55,6 +55,17 @@ WEIGHTS_FILE = "weights.safetensors"
 
 
 W8A8_ALGORITHMS = ("normal", "mmse", "kl_divergence")
+# Stage weight formats per target; the first is the default.
+STAGE_QUANTS = {"rk3588": ("fp16", "w8a8"), "cpu": ("int8", "int4", "fp32")}
+# --target cpu int8/int4: onnxruntime's MatMulNBits, symmetric, this block, activations
+# quantized to int8 inside the kernel (accuracy_level 4: the integer dot-product kernels).
+CPU_QUANT_BLOCK = 32
+CPU_QUANT_ACCURACY_LEVEL = 4
+
+
+def stage_quant(o: ConvertOptions) -> str:
+    """The stage weight format the options ask for (``--quant`` or the target's default)."""
+    return o.quant if o.quant is not None else STAGE_QUANTS[o.target][0]
 
 
 class ConvertError(ValueError):
@@ -64,7 +75,9 @@ class ConvertError(ValueError):
 @dataclass(frozen=True)
 class ConvertOptions:
     target: str = "rk3588"  # rk3588 | cpu
-    quant: str = "fp16"  # rk3588: fp16 | w8a8; cpu bundles are always fp32 ONNX
+    # stage weights. rk3588: fp16 | w8a8; cpu: int8 | int4 (onnxruntime MatMulNBits) | fp32.
+    # None: the target's default (fp16 for the NPU, int8 for the CPU).
+    quant: str | None = None
     experts: str = "int4"  # int4 | int8 | fp16
     calibration: Path | None = None
     # bytes for NPU experts; None: what the window leaves for fp16 experts, 0 for QMoE ones
@@ -98,8 +111,10 @@ class ConvertReport:
 def _check_options(o: ConvertOptions) -> None:
     if o.target not in ("rk3588", "cpu"):
         raise ConvertError(f"--target must be rk3588 or cpu, not {o.target!r}")
-    if o.quant not in ("fp16", "w8a8"):
-        raise ConvertError(f"--quant must be fp16 or w8a8, not {o.quant!r}")
+    allowed = STAGE_QUANTS[o.target]
+    if o.quant is not None and o.quant not in allowed:
+        raise ConvertError(f"--quant for --target {o.target} must be one of "
+                           f"{', '.join(allowed)}, not {o.quant!r}")
     if o.experts not in ("int4", "int8", "fp16"):
         raise ConvertError(f"--experts must be int4, int8 or fp16, not {o.experts!r}")
     if o.w8a8_algorithm not in W8A8_ALGORITHMS:
@@ -166,24 +181,31 @@ class _StageWriter:
     def __init__(self, writer: BundleWriter, opts: ConvertOptions,
                  calib: CalibrationData | None) -> None:
         self.writer, self.opts, self.calib = writer, opts, calib
-        self.quant = "fp32" if opts.target == "cpu" else opts.quant
+        self.quant = stage_quant(opts)
+        # stages whose twin is derived from an fp32 source graph built aside
+        self.derived = self.quant in ("w8a8", "int8", "int4")
 
     def write(self, name: str, build: GraphFactory) -> dict[str, Any]:
         o, rel = self.opts, f"stages/{name}"
         onnx_rel, rknn_rel = rel + ".onnx", (None if o.target == "cpu" else rel + ".rknn")
         done = self.writer.done(onnx_rel) and (rknn_rel is None or self.writer.done(rknn_rel))
         # the twin of a w8a8 stage is derived; the fp32 source graph is built aside
-        src_dir = "build" if (self.quant == "w8a8" or done) else "stages"
+        src_dir = "build" if (self.derived or done) else "stages"
         src = self.writer.path(f"{src_dir}/{name}.onnx")
         data = src.with_name(src.name + ".data")
         data.unlink(missing_ok=True)
         graph = build(data)
         chunk_sets = graph.shape_sets((o.chunk,))
-        per_weight = {"fp32": 4, "fp16": 2, "w8a8": 1}[self.quant]
+        per_weight = {"fp32": 4, "fp16": 2, "w8a8": 1, "int8": 1.125, "int4": 0.625}[
+            self.quant]
         spec = {"onnx": onnx_rel, "rknn": rknn_rel, "quant": self.quant,
                 "inputs": list(graph.inputs), "outputs": list(graph.outputs),
                 "shape_sets": [[list(s) for s in group] for group in chunk_sets],
-                "input_dtype": "float32", "nbytes": _weight_count(graph.model) * per_weight}
+                "input_dtype": "float32",
+                "nbytes": int(_weight_count(graph.model) * per_weight)}
+        if self.quant in ("int8", "int4"):
+            spec["quantization"] = {"op": "MatMulNBits", "block_size": CPU_QUANT_BLOCK,
+                                    "accuracy_level": CPU_QUANT_ACCURACY_LEVEL}
         if self.quant == "w8a8":
             spec["quantization"] = {"algorithm": o.w8a8_algorithm,
                                     "hybrid_cos": o.w8a8_hybrid_cos,
@@ -242,6 +264,14 @@ class _StageWriter:
             from convert.w8a8_twin import quantize_twin
 
             model = quantize_twin(src, self._samples(name, graph.inputs))
+            self.writer.write_bytes(onnx_rel, model.SerializeToString())
+            return
+        if self.quant in ("int8", "int4"):
+            from convert.cpu_quant import quantize_matmuls
+
+            model = quantize_matmuls(src, bits=8 if self.quant == "int8" else 4,
+                                     block_size=CPU_QUANT_BLOCK,
+                                     accuracy_level=CPU_QUANT_ACCURACY_LEVEL)
             self.writer.write_bytes(onnx_rel, model.SerializeToString())
             return
         data = src.with_name(src.name + ".data")
@@ -480,7 +510,7 @@ def _sha(writer: BundleWriter, rel: str) -> str:
 
 def _place(calib: CalibrationData, cfg: ModelConfig, opts: ConvertOptions,
            stage_bytes: dict[str, int], names: list[str]) -> PlacementReport:
-    per_weight = 2 if opts.quant == "fp16" else 1
+    per_weight = 2 if stage_quant(opts) == "fp16" else 1
     expert_bytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * per_weight
     dense = sum(stage_bytes.values())
     budget = opts.npu_budget

@@ -35,7 +35,8 @@ FORMAT = "ling3-rknn-bundle"
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 _JOURNAL = ".journal.jsonl"  # resumable conversions only; never part of a bundle
-QUANT_TYPES = ("fp32", "fp16", "w8a8")  # fp32 only for --target cpu (ONNX twin only)
+# fp32/int8/int4 (MatMulNBits) only for --target cpu (ONNX twin only)
+QUANT_TYPES = ("fp32", "fp16", "w8a8", "int8", "int4")
 EXPERT_FORMATS = ("int4", "int8", "fp16")
 TARGETS = ("rk3588", "cpu")
 CORE_MASK_NAMES = ("auto", "0", "1", "2", "0_1", "0_1_2", "all")

@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
              "(load balancers stop sending) before ending running requests (default 0)",
     )
     serve.add_argument(
+        "--threads", type=_positive_int, metavar="N",
+        help="CPU threads per compute pool (routed experts, CPU stages, attention), pinned "
+             "to the big cores (default: one per big core, at most 4)",
+    )
+    serve.add_argument(
         "--verify", choices=["stamped", "full", "size"], default="stamped",
         help="bundle check at start: sha256 of every file, remembered while the files are "
              "unchanged (stamped, default), always (full), or sizes only (size: opt-out)",
@@ -113,7 +118,9 @@ def _add_convert(commands: Any) -> None:
     conv.add_argument("hf_dir", type=Path, metavar="HF_DIR")
     conv.add_argument("out_dir", type=Path, metavar="OUT_DIR")
     conv.add_argument("--target", choices=["rk3588", "cpu"], default="rk3588")
-    conv.add_argument("--quant", choices=["fp16", "w8a8"], default="fp16")
+    conv.add_argument("--quant", choices=["fp16", "w8a8", "int8", "int4", "fp32"],
+                      help="stage weights: fp16 (default) | w8a8 for rk3588; int8 (default) "
+                      "| int4 | fp32 for --target cpu")
     conv.add_argument("--experts", choices=["int4", "int8", "fp16"], default="int4")
     conv.add_argument("--calibration", type=Path, metavar="FILE",
                       help="prompts: JSONL (text or ids per line) or blank-line separated text")
@@ -202,6 +209,15 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.drain_seconds < 0:
         print("ling3-rknn: --drain-seconds must not be negative", file=sys.stderr)
+        return 2
+    from ling3_rknn.cpu_threads import ThreadPolicyError, apply_thread_policy
+
+    try:
+        # Before any pool starts (the server's threads, the loader's sessions): they all
+        # inherit the pinning, and the model loaders find this policy in force.
+        apply_thread_policy(args.threads)
+    except ThreadPolicyError as exc:
+        print(f"ling3-rknn: {exc}", file=sys.stderr)
         return 2
     config = AppConfig(
         api_key=args.api_key,

@@ -42,6 +42,11 @@ MAX_MEAN_KL = 0.6
 # product's outliers set its range). The rknn build itself keeps >= 0.99 on every stage
 # output (tests/test_simulator_bundle.py).
 MIN_STAGE_COSINE = 0.95
+# --target cpu MatMulNBits stages against the fp32 bundle, same 256 positions on the same
+# chaotic 32-wide fixture; measured top-1 0.63 / 0.30 and mean KL 0.043 / 0.28 (int8 /
+# int4). The bounds catch a broken rewrite (wrong packing, scales or bits: KL > 1).
+CPU_QUANT_MIN_TOP1 = {"int8": 0.5, "int4": 0.2}
+CPU_QUANT_MAX_KL = {"int8": 0.1, "int4": 0.45}
 
 
 def calibration_file(tmp: Path, vocab: int) -> Path:
@@ -175,13 +180,41 @@ def test_plan_is_data_not_code(tmp_path) -> None:
 
 def test_cpu_target_bundle_runs_onnx_twins(tmp_path) -> None:
     fixture = ORACLE_FIXTURES[1]
-    path = make_bundle(tmp_path, fixture, "b", target="cpu", experts="fp16")
+    path = make_bundle(tmp_path, fixture, "b", target="cpu", quant="fp32", experts="fp16")
     assert not list(path.glob("stages/*.rknn"))
     model = Model.from_bundle(path)
     assert isinstance(model.stages._ex["final"], OnnxExecutor)
     ref = np.load(ORACLE_DIR / fixture / "reference.npz")
     logits = model.forward(ref["input_ids"], model.new_state())
     assert float(np.abs(logits - ref["logits_full"]).max()) <= TOL
+
+
+@pytest.mark.parametrize(("quant", "bits"), [("int8", 8), ("int4", 4)])
+def test_cpu_target_quantizes_stage_matmuls(tmp_path, quant: str, bits: int) -> None:
+    """--target cpu int8/int4: every 2-D weight MatMul is a MatMulNBits of that width, and
+    the logits stay near the fp32 bundle's (same experts, so the gap is the stages')."""
+    import onnx
+
+    fixture = ORACLE_FIXTURES[1]
+    fp32 = make_bundle(tmp_path, fixture, "f", target="cpu", quant="fp32", experts="fp16")
+    path = make_bundle(tmp_path, fixture, "q", target="cpu", quant=quant, experts="fp16")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert {s["quant"] for s in manifest["stages"].values()} == {quant}
+    for stage in manifest["stages"].values():
+        graph = onnx.load(str(path / stage["onnx"])).graph
+        nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+        assert nbits and all(a.i == bits for n in nbits for a in n.attribute if a.name == "bits")
+        consts = {t.name for t in graph.initializer if len(t.dims) == 2}
+        assert not [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in consts]
+    ids = np.random.default_rng(5).integers(2, 256, QUANT_POSITIONS)
+    ref = Model.from_bundle(fp32).forward(ids, Model.from_bundle(fp32).new_state())
+    model = Model.from_bundle(path)
+    got = model.forward(ids, model.new_state())
+    top1 = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    p, q = _softmax(ref.astype(np.float64)), _softmax(got.astype(np.float64))
+    kl = float((p * (np.log(p) - np.log(q))).sum(-1).mean())
+    print(f"{quant}: top-1 {top1:.3f}, mean KL {kl:.4f}")
+    assert top1 >= CPU_QUANT_MIN_TOP1[quant] and kl <= CPU_QUANT_MAX_KL[quant]
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

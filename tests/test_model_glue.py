@@ -17,7 +17,7 @@ from ling3_rknn.model.kda import (
     prepare_qkv,
     short_conv,
 )
-from ling3_rknn.model.mla import apply_rope, mla_attention, rope_angles
+from ling3_rknn.model.mla import _split, apply_rope, mla_attention, rope_angles
 from ling3_rknn.model.moe import NumpyExperts, route
 from ling3_rknn.model.stages import swiglu
 from ling3_rknn.model.state import BLOCK_TOKENS, LatentCache
@@ -212,6 +212,29 @@ def test_absorbed_mla_equals_expanded(context, t, growth):
     got = np.einsum("thr,hvr->thv", ctx, w_vb)
     ref = naive_mla(q_nope, q_rope, rows, w_kb, w_vb, 0.3)
     np.testing.assert_allclose(got, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("context", "t", "parts"),
+                         [(2100, 1, 2), (3000, 1, 3), (2600, 1, 4), (3000, 70, 2), (2400, 5, 3)])
+def test_mla_split_across_threads_matches_one_pass(context, t, parts):
+    """The thread split (ranges of whole blocks, partial softmax states merged) gives the
+    one-pass result; the growing keys move the max between the ranges."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(context + parts)
+    h, dr, r = 4, 4, 12
+    rows = rng.standard_normal((context, r + dr)).astype(F32)
+    rows *= (1 + 3 * np.arange(context) / context).astype(F32)[:, None]
+    cache = LatentCache(r + dr)
+    cache.append(rows)
+    q_latent = rng.standard_normal((t, h, r)).astype(F32)
+    q_rope = rng.standard_normal((t, h, dr)).astype(F32)
+    one = mla_attention(q_latent, q_rope, cache.blocks(), cache.length, 0.3)
+    assert len(_split(cache.blocks(), context - t + 1, context - t, parts)) == parts
+    with ThreadPoolExecutor(parts - 1) as pool:
+        split = mla_attention(q_latent, q_rope, cache.blocks(), cache.length, 0.3,
+                              pool=pool, parts=parts)
+    np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-6)
 
 
 def hf_route(logits, bias, n_group, topk_group, top_k, normalize, scaling):

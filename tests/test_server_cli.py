@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import pytest
 
@@ -47,6 +48,7 @@ def test_api_key_from_environment(monkeypatch):
         ["serve", "--demo", "--port", "70000"],
         ["serve", "--demo", "--max-context", "0"],
         ["serve", "--demo", "--cache-bytes", "lots"],
+        ["serve", "--demo", "--threads", "0"],
     ],
 )
 def test_bad_arguments_exit_2(argv, capsys):
@@ -108,3 +110,9 @@ def test_max_context_beyond_the_model_is_refused():
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))
     with pytest.raises(ValueError, match="max_position_embeddings 8192"):
         make_engine(model, None, {"max_context": 65536})
+
+
+def test_more_threads_than_cores_exits_2_before_loading(capsys):
+    too_many = len(os.sched_getaffinity(0)) + 1
+    assert cli.main(["serve", "--demo", "--threads", str(too_many), "--port", "0"]) == 2
+    assert f"--threads {too_many} is more than the" in capsys.readouterr().err

@@ -81,7 +81,7 @@ def load_from_bundle(path: str | os.PathLike[str], executor: ExecutorChoice = "a
         for name in m.stages:
             _check_not_placeholder(bundle, name, rknnlite_cls)
             executors[name] = open_stage(bundle, name, runtime=runtime,
-                                         rknnlite_cls=rknnlite_cls)
+                                         rknnlite_cls=rknnlite_cls, threads=threads)
         missing = [f"layer.{i}.{r}" for i in range(cfg.num_hidden_layers) for r in ("in", "out")
                    if f"layer.{i}.{r}" not in executors] + (
             [] if "final" in executors else ["final"])
@@ -97,6 +97,7 @@ def load_from_bundle(path: str | os.PathLike[str], executor: ExecutorChoice = "a
         for ex in executors.values():
             ex.close()
         raise
-    model = Model(cfg, stages, BundleExperts(cpu, npu, stages), CpuWeights(conv, bias))
+    model = Model(cfg, stages, BundleExperts(cpu, npu, stages), CpuWeights(conv, bias),
+                  threads=threads)
     model.bundle = bundle
     return model

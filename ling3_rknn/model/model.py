@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..config import ModelConfig
+from ..cpu_threads import apply_thread_policy
 from .backend import NumpyStages, StageBackend
 from .checkpoint import Checkpoint
 from .kda import kda_core, prepare_qkv, short_conv
@@ -51,21 +53,27 @@ class Model:
         stages: StageBackend,
         experts: ExpertBackend,
         cpu: CpuWeights,
+        *,
+        threads: int = 1,
     ) -> None:
         self.config = config
         self.stages = stages
         self.experts = experts
         self.cpu = cpu
+        self.threads = threads
         self._scale = float(config.qk_head_dim) ** -0.5
         self._layout = StateLayout.from_config(config)
+        self._pool: ThreadPoolExecutor | None = None  # MLA attention split, made on first use
 
     @classmethod
-    def from_hf(cls, path: str | os.PathLike[str]) -> Model:
+    def from_hf(cls, path: str | os.PathLike[str], *, threads: int | None = None) -> Model:
         """Load an HF checkpoint directory (config.json + safetensors), float32 numpy stages.
 
         Dense weights are read (and checked) now; routed experts stay on disk, memory-mapped,
-        and are read when a token is routed to them.
+        and are read when a token is routed to them. ``threads``: the process's CPU thread
+        policy (``ling3_rknn.cpu_threads``; None: one per big core).
         """
+        policy = apply_thread_policy(threads)
         root = Path(path)
         config = ModelConfig.from_file(root / "config.json")
         weights = CheckpointWeights(Checkpoint.open(root), config)
@@ -75,7 +83,8 @@ class Model:
             if config.is_moe_layer(i):
                 weights.check_experts(i)
         return cls(
-            config, stages, NumpyExperts(weights.expert), CpuWeights.from_checkpoint(weights)
+            config, stages, NumpyExperts(weights.expert), CpuWeights.from_checkpoint(weights),
+            threads=policy.threads,
         )
 
     @classmethod
@@ -85,16 +94,19 @@ class Model:
         *,
         executor: str = "auto",
         verify: str = "stamped",
-        threads: int = 2,
+        threads: int | None = None,
     ) -> Model:
         """Load a converted bundle (a path, or an opened ``Bundle``): stage graphs on
         RKNNLite (the board, or its ONNX-twin mock on a host; ``executor`` = auto |
         rknnlite | mock | onnx), routed experts on the CPU kernels and the NPU experts of
         the placement plan. Every file is checked against the manifest's sha256 first
-        (``verify``: stamped | full | size | none, see ``Bundle.verify``)."""
+        (``verify``: stamped | full | size | none, see ``Bundle.verify``). ``threads``
+        sizes every CPU pool (routed experts, CPU stage graphs) and pins them; see
+        ``ling3_rknn.cpu_threads`` (None: one per big core)."""
         from .bundle_loader import load_from_bundle
 
-        return load_from_bundle(path, executor, verify, threads)  # type: ignore[arg-type]
+        policy = apply_thread_policy(threads)
+        return load_from_bundle(path, executor, verify, policy.threads)  # type: ignore[arg-type]
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config)
@@ -155,8 +167,16 @@ class Model:
         k_rope = apply_rope(inp.k_rope, cos, sin)
         cache = state.latents[i]
         cache.append(np.concatenate([inp.latent, k_rope], axis=1))
-        ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length, self._scale)
+        ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length, self._scale,
+                            pool=self._attention_pool(), parts=self.threads)
         return self.stages.mla_output(i, x, ctx, inp.gate)
+
+    def _attention_pool(self) -> ThreadPoolExecutor | None:
+        if self.threads < 2:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ling3-mla")
+        return self._pool
 
     def _moe(self, i: int, out: LayerOutput) -> np.ndarray:
         c = self.config
