@@ -63,7 +63,7 @@ class Model:
         self.threads = threads
         self._scale = float(config.qk_head_dim) ** -0.5
         self._layout = StateLayout.from_config(config)
-        self._pool: ThreadPoolExecutor | None = None  # MLA attention split, made on first use
+        self._pool: ThreadPoolExecutor | None = None  # glue split (_split_pool), made on use
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike[str], *, threads: int | None = None) -> Model:
@@ -155,7 +155,8 @@ class Model:
         inp = self.stages.kda_input(i, x)
         conv_out, state.conv[i] = short_conv(inp.qkv, state.conv[i], self.cpu.conv[i])
         q, k, v = prepare_qkv(conv_out, c.num_attention_heads, c.kda_head_dim)
-        core = kda_core(q, k, v, inp.log_decay, inp.beta, state.recurrent[i])
+        core = kda_core(q, k, v, inp.log_decay, inp.beta, state.recurrent[i],
+                        pool=self._split_pool(), parts=self.threads)
         return self.stages.kda_output(i, x, core, inp.out_gate)
 
     def _mla_layer(
@@ -168,14 +169,15 @@ class Model:
         cache = state.latents[i]
         cache.append(np.concatenate([inp.latent, k_rope], axis=1))
         ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length, self._scale,
-                            pool=self._attention_pool(), parts=self.threads)
+                            pool=self._split_pool(), parts=self.threads)
         return self.stages.mla_output(i, x, ctx, inp.gate)
 
-    def _attention_pool(self) -> ThreadPoolExecutor | None:
+    def _split_pool(self) -> ThreadPoolExecutor | None:
+        """Threads for the glue's large calls: prefill KDA heads, long MLA attention."""
         if self.threads < 2:
             return None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ling3-mla")
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ling3-glue")
         return self._pool
 
     def _moe(self, i: int, out: LayerOutput) -> np.ndarray:
