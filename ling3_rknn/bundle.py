@@ -35,8 +35,10 @@ FORMAT = "ling3-rknn-bundle"
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 _JOURNAL = ".journal.jsonl"  # resumable conversions only; never part of a bundle
-# fp32/int8/int4 (MatMulNBits) only for --target cpu (ONNX twin only)
-QUANT_TYPES = ("fp32", "fp16", "w8a8", "int8", "int4")
+# An NPU graph (a stage with an .rknn) is fp16 or w8a8; fp32 and MatMulNBits int8/int4 exist
+# only as ONNX graphs run by onnxruntime (--target cpu).
+NPU_QUANT_TYPES = ("fp16", "w8a8")
+QUANT_TYPES = ("fp32", *NPU_QUANT_TYPES, "int8", "int4")
 EXPERT_FORMATS = ("int4", "int8", "fp16")
 TARGETS = ("rk3588", "cpu")
 CORE_MASK_NAMES = ("auto", "0", "1", "2", "0_1", "0_1_2", "all")
@@ -358,8 +360,9 @@ def _parse_manifest(data: object) -> Manifest:
                     or len(set(names)) != len(names):
                 raise ManifestError(f"stages.{name}.{key}", "expected unique non-empty names")
         rknn = None if s.data.get("rknn") is None else s.relpath("rknn")
+        quant = s.choice("quant", QUANT_TYPES if rknn is None else NPU_QUANT_TYPES)
         stages[name] = StageSpec(
-            name=name, onnx=s.relpath("onnx"), rknn=rknn, quant=s.choice("quant", QUANT_TYPES),
+            name=name, onnx=s.relpath("onnx"), rknn=rknn, quant=quant,
             inputs=tuple(inputs), outputs=tuple(outputs),
             shape_sets=_shape_sets(s.get("shape_sets", list), f"stages.{name}.shape_sets",
                                    len(inputs)),
