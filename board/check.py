@@ -171,7 +171,7 @@ class Checker:
             lite.release()
 
     def stages(self, bundle: Any, rknnlite_cls: type) -> None:
-        from ling3_rknn.model.bundle_loader import PLACEHOLDER_MAGIC
+        from ling3_rknn.bundle import PLACEHOLDER_MAGIC
         from ling3_rknn.npu import NpuError, RknnLiteExecutor
 
         m = bundle.manifest

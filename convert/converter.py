@@ -39,7 +39,7 @@ from convert.stage_graphs import (
     mla_output_graph,
     stage_names,
 )
-from ling3_rknn.bundle import BundleWriter, PlacementPlan
+from ling3_rknn.bundle import PLACEHOLDER_MAGIC, BundleWriter, PlacementPlan
 from ling3_rknn.config import ModelConfig
 from ling3_rknn.model import Checkpoint, CheckpointError
 from ling3_rknn.model.weights import CheckpointWeights
@@ -48,9 +48,6 @@ from ling3_rknn.npu.experts import PackedExperts
 log = logging.getLogger(__name__)
 QMOE_FORMATS = ("int4", "int8")  # expert formats run by onnxruntime's QMoE kernel
 
-# A .rknn written with build_rknn=False: only the host mock (which runs the ONNX twin) can
-# use it; the runtime refuses it on a board (``ling3_rknn.model.bundle_stages``).
-PLACEHOLDER_MAGIC = b"LING3-RKNN-PLACEHOLDER\n"
 WEIGHTS_FILE = "weights.safetensors"
 
 

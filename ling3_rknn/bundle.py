@@ -48,6 +48,9 @@ VerifyMode = Literal["full", "stamped", "size", "none"]
 _HASH_CHUNK = 1 << 22
 STAMP = ".verified.json"  # next to the manifest; never listed in it
 _PROGRESS_EVERY_S = 5.0
+# The first bytes of the stand-in ``.rknn`` a conversion without rknn-toolkit2 writes
+# (``--no-rknn-build``): only the RKNNLite mock, which runs the ONNX twin, may load it.
+PLACEHOLDER_MAGIC = b"LING3-RKNN-PLACEHOLDER\n"
 
 
 # -- errors ---------------------------------------------------------------------------

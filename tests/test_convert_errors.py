@@ -25,7 +25,7 @@ from ling3_rknn.chat import TEMPLATE_SHA256
 from ling3_rknn.cli import main
 from ling3_rknn.config import ConfigError
 from ling3_rknn.model import CheckpointError, Model
-from ling3_rknn.model.bundle_loader import _check_not_placeholder
+from ling3_rknn.model.bundle_executors import check_not_placeholder
 from ling3_rknn.npu import NpuError
 
 TOKENIZER = FIXTURES / "tokenizer" / "compact" / "tokenizer.json"
@@ -193,7 +193,7 @@ def test_placeholder_rknn_refused_by_a_real_runtime(bundle) -> None:
         pass
 
     with pytest.raises(NpuError, match="placeholder"):
-        _check_not_placeholder(Bundle.open(bundle), "final", BoardRKNNLite)
+        check_not_placeholder(Bundle.open(bundle), "final", BoardRKNNLite)
 
 
 def test_board_runtime_missing_on_host(bundle) -> None:

@@ -15,7 +15,8 @@ from safetensors.numpy import save_file
 
 from convert.experts_quant import dequantize_experts, quantize_experts, quantize_rows
 from convert.qmoe_graph import build_qmoe_model, safetensors_offsets, write_qmoe_layer
-from ling3_rknn.npu import ExpertError, FloatExperts, PackedExperts, QMoeExperts
+from ling3_rknn.model import FloatExperts
+from ling3_rknn.npu import ExpertError, PackedExperts, QMoeExperts
 
 E, INTER, D, K = 16, 64, 128, 4
 

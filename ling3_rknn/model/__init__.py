@@ -27,7 +27,9 @@ Public API::
 
 from .backend import NumpyStages, StageBackend
 from .checkpoint import Checkpoint
-from .model import CpuWeights, Model
+from .cpu_weights import CpuWeights
+from .float_experts import FloatExperts
+from .model import Model
 from .moe import ExpertBackend, NumpyExperts
 from .safetensors_file import CheckpointError
 from .state import SequenceState, SnapshotError, StateError, StateSnapshot
@@ -37,6 +39,7 @@ __all__ = [
     "CheckpointError",
     "CpuWeights",
     "ExpertBackend",
+    "FloatExperts",
     "Model",
     "NumpyExperts",
     "NumpyStages",

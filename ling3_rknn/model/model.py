@@ -5,42 +5,23 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..bundle import Bundle, VerifyMode
 from ..config import ModelConfig
 from ..cpu_threads import apply_thread_policy
 from .backend import NumpyStages, StageBackend
+from .bundle_loader import ExecutorChoice, load_bundle_parts, runtime_for
 from .checkpoint import Checkpoint
+from .cpu_weights import CpuWeights
 from .kda import kda_core, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
 from .moe import ExpertBackend, NumpyExperts, route
 from .stages import LayerOutput
 from .state import SequenceState, StateError, StateLayout
 from .weights import CheckpointWeights
-
-
-@dataclass(frozen=True)
-class CpuWeights:
-    """Weights the CPU glue needs (they never go to the NPU); a bundle loader builds the
-    same object from its own files."""
-
-    conv: dict[int, np.ndarray]  # KDA layer -> conv taps [K, 3P] (tap-major)
-    expert_bias: dict[int, np.ndarray]  # MoE layer -> [E]
-
-    @classmethod
-    def from_checkpoint(cls, w: CheckpointWeights) -> CpuWeights:
-        c = w.cfg
-        return cls(
-            conv={i: np.ascontiguousarray(w.kda_conv(i).T) for i in c.kda_layers},
-            expert_bias={
-                i: np.array(w.expert_bias(i))
-                for i in range(c.num_hidden_layers)
-                if c.is_moe_layer(i)
-            },
-        )
 
 
 class Model:
@@ -55,8 +36,10 @@ class Model:
         cpu: CpuWeights,
         *,
         threads: int = 1,
+        bundle: Bundle | None = None,
     ) -> None:
         self.config = config
+        self.bundle = bundle  # the bundle it was loaded from (``from_bundle``), else None
         self.stages = stages
         self.experts = experts
         self.cpu = cpu
@@ -90,10 +73,10 @@ class Model:
     @classmethod
     def from_bundle(
         cls,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Bundle,
         *,
-        executor: str = "auto",
-        verify: str = "stamped",
+        executor: ExecutorChoice = "auto",
+        verify: VerifyMode = "stamped",
         threads: int | None = None,
     ) -> Model:
         """Load a converted bundle (a path, or an opened ``Bundle``): stage graphs on
@@ -103,10 +86,17 @@ class Model:
         (``verify``: stamped | full | size | none, see ``Bundle.verify``). ``threads``
         sizes every CPU pool (routed experts, CPU stage graphs) and pins them; see
         ``ling3_rknn.cpu_threads`` (None: one per big core)."""
-        from .bundle_loader import load_from_bundle
-
+        runtime_for(executor)  # a bad choice fails before any file is read
         policy = apply_thread_policy(threads)
-        return load_from_bundle(path, executor, verify, policy.threads)  # type: ignore[arg-type]
+        if isinstance(path, Bundle):
+            bundle = path
+            if verify != "none":
+                bundle.verify(verify)
+        else:
+            bundle = Bundle.open(path, verify=verify)
+        parts = load_bundle_parts(bundle, executor, policy.threads)
+        return cls(parts.config, parts.stages, parts.experts, parts.cpu,
+                   threads=policy.threads, bundle=bundle)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config)

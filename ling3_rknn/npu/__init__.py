@@ -1,24 +1,28 @@
-"""Executors for the work the model hands out: NPU stage graphs and CPU routed experts."""
+"""Executors for the work the model hands out: NPU stage graphs and CPU routed experts.
+
+A leaf: it knows graphs, tensors and files, never the bundle format or the model.
+"""
 
 from ling3_rknn.npu.errors import ExpertError, NpuError, NpuInputError
 from ling3_rknn.npu.executors import (
     CORE_MASKS,
     GraphExecutor,
+    GraphSpec,
     OnnxExecutor,
     RknnLiteExecutor,
     check_inputs,
     resolve_rknnlite,
 )
-from ling3_rknn.npu.experts import ExpertExecutor, FloatExperts, PackedExperts, QMoeExperts
-from ling3_rknn.npu.loader import open_experts, open_stage
+from ling3_rknn.npu.experts import ExpertExecutor, PackedExperts, QMoeExperts
+from ling3_rknn.npu.loader import open_graph, open_qmoe_experts
 from ling3_rknn.npu.rknnlite_mock import MockRKNNLite
 
 __all__ = [
     "CORE_MASKS",
     "ExpertError",
     "ExpertExecutor",
-    "FloatExperts",
     "GraphExecutor",
+    "GraphSpec",
     "MockRKNNLite",
     "NpuError",
     "NpuInputError",
@@ -27,7 +31,7 @@ __all__ = [
     "QMoeExperts",
     "RknnLiteExecutor",
     "check_inputs",
-    "open_experts",
-    "open_stage",
+    "open_graph",
+    "open_qmoe_experts",
     "resolve_rknnlite",
 ]

@@ -1,4 +1,4 @@
-"""Graph executors: run one NPU stage with inputs/outputs in the manifest's order.
+"""Graph executors: run one NPU stage graph with inputs/outputs in its declared order.
 
 * :class:`RknnLiteExecutor` - the board path: one ``RKNNLite`` runtime per graph, pinned
   to the cores the placement plan names. The ``RKNNLite`` class is resolved by
@@ -6,8 +6,10 @@
   explicit choice wins), so host tests drive exactly this code.
 * :class:`OnnxExecutor` - plain onnxruntime on the ONNX twin, for ``--target cpu``.
 
-Both validate inputs against the stage's declared shape sets before calling into the
-runtime and turn every runtime failure into a typed :class:`NpuError`.
+Both validate inputs against the graph's declared shape sets before calling into the
+runtime and turn every runtime failure into a typed :class:`NpuError`. They know graphs
+and tensors only: a :class:`GraphSpec` is anything with the fields below (the bundle's
+``StageSpec`` is one), so this package never imports the bundle format.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ling3_rknn.bundle import StageSpec
 from ling3_rknn.npu.errors import NpuError, NpuInputError
 from ling3_rknn.npu.rknnlite_mock import MockRKNNLite
 
@@ -31,8 +32,30 @@ RUNTIME_ENV = "LING3_NPU_RUNTIME"  # "board" | "mock" | "auto"
 CORE_MASKS = {"auto": 0, "0": 1, "1": 2, "2": 4, "0_1": 3, "0_1_2": 7, "all": 0xFFFF}
 
 
+class GraphSpec(Protocol):
+    """What an executor needs to know about a static-shape graph.
+
+    ``shape_sets`` lists every static shape combination the graph accepts, one shape per
+    input (rknn-toolkit2's ``dynamic_input`` layout)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def inputs(self) -> tuple[str, ...]: ...
+
+    @property
+    def outputs(self) -> tuple[str, ...]: ...
+
+    @property
+    def shape_sets(self) -> tuple[tuple[tuple[int, ...], ...], ...]: ...
+
+    @property
+    def input_dtype(self) -> str: ...
+
+
 class GraphExecutor(Protocol):
-    spec: StageSpec
+    spec: GraphSpec
 
     def run(self, *inputs: np.ndarray) -> list[np.ndarray]: ...
 
@@ -64,7 +87,7 @@ def resolve_rknnlite(choice: str | None = None) -> type:
     return RKNNLite
 
 
-def check_inputs(spec: StageSpec, inputs: Sequence[np.ndarray]) -> int:
+def check_inputs(spec: GraphSpec, inputs: Sequence[np.ndarray]) -> int:
     """Validate count, dtype and shape; returns the index of the matching shape set."""
     if len(inputs) != len(spec.inputs):
         raise NpuInputError(f"stage {spec.name!r} takes {len(spec.inputs)} inputs "
@@ -81,14 +104,14 @@ def check_inputs(spec: StageSpec, inputs: Sequence[np.ndarray]) -> int:
                         f"for {[list(g) for g in spec.shape_sets]}")
 
 
-def _feed_dtype(spec: StageSpec) -> type:
+def _feed_dtype(spec: GraphSpec) -> type:
     return np.float16 if spec.input_dtype == "float16" else np.float32
 
 
 class RknnLiteExecutor:
     """One RKNNLite runtime for one ``.rknn`` graph."""
 
-    def __init__(self, rknn_path: str | os.PathLike[str], spec: StageSpec,
+    def __init__(self, rknn_path: str | os.PathLike[str], spec: GraphSpec,
                  core_mask: str | int = "auto", rknnlite_cls: type | None = None) -> None:
         self.spec = spec
         self.path = Path(rknn_path)
@@ -128,7 +151,7 @@ class RknnLiteExecutor:
 class OnnxExecutor:
     """The ONNX twin on onnxruntime's CPU provider (``--target cpu`` bundles)."""
 
-    def __init__(self, onnx_path: str | os.PathLike[str], spec: StageSpec, threads: int = 1
+    def __init__(self, onnx_path: str | os.PathLike[str], spec: GraphSpec, threads: int = 1
                  ) -> None:
         import onnxruntime as ort
 

@@ -1,15 +1,17 @@
-"""Routed experts of one MoE layer on the CPU.
+"""Routed experts of one MoE layer on onnxruntime's QMoE CPU kernel.
 
-Two executors share one call signature ``run(hidden [T, D], expert_ids [T, k],
+Every expert executor shares one call signature ``run(hidden [T, D], expert_ids [T, k],
 expert_weights [T, k]) -> [T, D]``; routing (sigmoid scores, bias, group-limited top-k,
 renormalisation, scaling) is done by the model in numpy before the call.
 
 * :class:`QMoeExperts` - the default: int4/int8 block-quantized weights run by
   onnxruntime's ``com.microsoft::QMoE`` op, one graph per MoE layer (written by the
   converter; weights live in the bundle's safetensors). The kernel reads packed weights
-  directly, so no int4 is ever unpacked in Python (cpu-experts.md: 15x faster than numpy).
-* :class:`FloatExperts` - numpy with fp16/fp32 weights, for ``--experts fp16`` bundles
-  and as a readable reference.
+  directly, so no int4 is ever unpacked in Python (docs/performance.md: 15x faster than
+  numpy).
+
+The numpy float executor for ``--experts fp16`` bundles is model code
+(``ling3_rknn.model.float_experts``): it is the model's own SwiGLU.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ class QMoeExperts:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
         # Spinning threads steal the other cores from the NPU driver and from each other
-        # when many sessions share few cores (cpu-experts.md: 2.5-22x slower with it on).
+        # when many sessions share few cores (docs/performance.md: 2.5-22x slower with it on).
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         source = os.fspath(model) if not isinstance(model, bytes) else model
@@ -215,62 +217,3 @@ class QMoeExperts:
             "router_weights": weights,
         }
         return self._session.run(self._output, feeds)[0]
-
-
-class FloatExperts:
-    """Routed experts with fp16 or fp32 weights in numpy (``--experts fp16``).
-
-    Tokens are grouped per selected expert so each expert's weights are read once per
-    call; fp16 weights are widened one expert at a time to keep the extra memory small.
-    """
-
-    def __init__(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray, top_k: int) -> None:
-        if gate.ndim != 3 or gate.shape != up.shape:
-            raise ExpertError(f"gate and up must be equal [E, I, D], got {gate.shape}, "
-                              f"{up.shape}")
-        e, i, d = gate.shape
-        if down.shape != (e, d, i):
-            raise ExpertError(f"down must be [{e}, {d}, {i}], got {down.shape}")
-        for arr in (gate, up, down):
-            if arr.dtype not in (np.float16, np.float32):
-                raise ExpertError(f"expert weights must be float16/float32, got {arr.dtype}")
-        if not 1 <= top_k <= e:
-            raise ExpertError(f"top_k {top_k} out of range for {e} experts")
-        self._gate, self._up, self._down = gate, up, down
-        self._top_k = top_k
-
-    @property
-    def num_experts(self) -> int:
-        return int(self._gate.shape[0])
-
-    @property
-    def top_k(self) -> int:
-        return self._top_k
-
-    def run(
-        self, hidden: np.ndarray, expert_ids: np.ndarray, expert_weights: np.ndarray
-    ) -> np.ndarray:
-        d = self._gate.shape[2]
-        check_routing(hidden, expert_ids, expert_weights, d, self.num_experts, self._top_k)
-        x = hidden.astype(np.float32, copy=False)
-        out = np.zeros_like(x)
-        flat_ids = expert_ids.reshape(-1)
-        token_of = np.repeat(np.arange(x.shape[0]), self._top_k)
-        flat_w = expert_weights.reshape(-1).astype(np.float32)
-        # weight-0 selections add nothing (the plan's NPU experts arrive that way): skip
-        keep = flat_w != 0
-        flat_ids, token_of, flat_w = flat_ids[keep], token_of[keep], flat_w[keep]
-        order = np.argsort(flat_ids, kind="stable")
-        experts, starts = np.unique(flat_ids[order], return_index=True)
-        bounds = [*starts.tolist(), len(order)]
-        for n, e in enumerate(experts.tolist()):
-            sel = order[bounds[n]:bounds[n + 1]]
-            tokens = token_of[sel]
-            xe = x[tokens]
-            g = xe @ self._gate[e].astype(np.float32, copy=False).T
-            u = xe @ self._up[e].astype(np.float32, copy=False).T
-            h = g / (1.0 + np.exp(-g)) * u
-            y = h @ self._down[e].astype(np.float32, copy=False).T
-            # check_routing guarantees a token picks an expert at most once: no repeats
-            out[tokens] += y * flat_w[sel, None]
-        return out

@@ -29,8 +29,8 @@ from convert.experts_quant import quantize_experts
 from convert.onnx_ops import GraphBuilder
 from convert.qmoe_graph import build_qmoe_model
 from ling3_rknn.bundle import StageSpec
+from ling3_rknn.model import FloatExperts
 from ling3_rknn.npu import (
-    FloatExperts,
     MockRKNNLite,
     OnnxExecutor,
     PackedExperts,

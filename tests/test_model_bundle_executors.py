@@ -17,16 +17,15 @@ from convert.experts_quant import dequantize_experts, quantize_experts
 from convert.onnx_ops import GraphBuilder, np_rmsnorm
 from convert.qmoe_graph import write_qmoe_layer
 from ling3_rknn.bundle import Bundle, BundleWriter, FileCorruptError
+from ling3_rknn.model import FloatExperts
+from ling3_rknn.model.bundle_executors import open_experts, open_stage
 from ling3_rknn.npu import (
     ExpertError,
-    FloatExperts,
     MockRKNNLite,
     NpuError,
     OnnxExecutor,
     QMoeExperts,
     RknnLiteExecutor,
-    open_experts,
-    open_stage,
 )
 
 D, E, INTER, K = 64, 8, 32, 2
