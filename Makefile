@@ -36,9 +36,8 @@ $(ORACLE)/.installed:
 
 oracle-env: $(ORACLE)/.installed
 
-# rknn-toolkit2 2.5.0 for the converter and the simulator test tier (rknn-toolchain.md
-# sections 1 and 11). Its wheel pins torch<=2.4.0, which pip would resolve to a multi-GB
-# CUDA build, so: the local CPU torch wheel first, the toolkit with --no-deps, then its
+# rknn-toolkit2 2.5.0 for the converter and the simulator test tier (docs/toolchain.md 1).
+# Its wheel pins torch<=2.4.0, which pip would resolve to a multi-GB CUDA build, so: the local CPU torch wheel first, the toolkit with --no-deps, then its
 # other requirements listed explicitly (numpy<2, onnx<=1.18; protobuf 4.25.8 and
 # onnxruntime 1.32 so the same env also runs QMoE; setuptools<81 keeps pkg_resources).
 RKNN := .venv-rknn

@@ -338,7 +338,7 @@ def _parse_layer_kinds(d: Mapping[str, Any], layers: int, group: int) -> tuple[L
     if explicit is not None:
         names = {"full_attention": "mla", "linear_attention": "kda"}
         # transformers keeps the full list when a model is truncated; only the first
-        # num_hidden_layers entries are used (ling3-model.md 9.5 item 6).
+        # num_hidden_layers entries are used (docs/model.md 1).
         if (
             not isinstance(explicit, list)
             or len(explicit) < layers

@@ -9,7 +9,7 @@ from conftest import ORACLE_DIR
 
 from ling3_rknn.config import ConfigError, ModelConfig
 
-# Ling-3.0-tiny's released config.json values (ling3-model.md 2.1), in the released spelling.
+# Ling-3.0-tiny's released config.json values (docs/model.md 1), in the released spelling.
 TINY = {
     "architectures": ["BailingMoeV3ForCausalLM"],
     "model_type": "bailing_hybrid",

@@ -44,7 +44,7 @@ VOCAB = 157_184
 LING_IDS = ROOT / "tests" / "fixtures" / "tokenizer" / "ling-ids" / "tokenizer.json"
 ORACLE_CONFIG = ROOT / "tests" / "fixtures" / "oracle" / "plainq_released" / "config.json"
 
-REAL = {  # Ling-3.0-tiny, ling3-model.md section 2.1
+REAL = {  # Ling-3.0-tiny, docs/model.md 1
     "vocab_size": VOCAB,
     "hidden_size": 1536,
     "num_hidden_layers": 24,

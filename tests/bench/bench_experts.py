@@ -8,8 +8,9 @@ float executor (fp32 and fp16 weights); then the per-call overhead of the graph
 executors on a small graph (raw onnxruntime, OnnxExecutor, RknnLiteExecutor on the mock)
 and the host-side quantization time of one real-size layer.
 
-Speed does not depend on weight values, so QMoE runs on random codes and scales (as in
-cpu-experts.md); two layers are cycled so the weights do not sit in the cache.
+Speed does not depend on weight values, so QMoE runs on random codes and scales (as for
+docs/performance.md, "Routed experts on the CPU"); two layers are cycled so the weights do
+not sit in the cache.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Run with the oracle venv (``make oracle-env``):
 ``.venv-oracle/bin/python tests/oracle/make_fixtures.py``.
 Each fixture is a tiny random ``BailingHybridForCausalLM`` (weights re-drawn so every component
-matters, as in ling3-model.md Appendix A) saved as ``config.json`` + ``model.safetensors`` plus
+matters: transformers' default init gives logits too small to tell components apart; the
+re-draw is in ``build`` below) saved as ``config.json`` + ``model.safetensors`` plus
 ``reference.npz`` with the transformers logits. The three fixtures cover the checkpoint
 spellings the loader must accept:
 
