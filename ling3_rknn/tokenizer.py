@@ -15,7 +15,8 @@ Decoding uses a byte table built from the vocabulary instead of ``tokenizers.dec
 stream of ids can be turned into text incrementally without ever emitting half a UTF-8
 character; tests pin it to the library's own decode.
 
-Leaf module: imports nothing from the rest of ``ling3_rknn``.
+Leaf module: imports nothing from the rest of ``ling3_rknn`` but the chat format's marker
+spellings (``chat.markers``).
 """
 
 from __future__ import annotations
@@ -32,30 +33,10 @@ from typing import Protocol
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-# The special tokens an assistant turn may contain (reasoning and tool-call markup); the
-# chat parser reads them. Any other special token in generated output ends the turn.
-ANSWER_MARKERS: tuple[str, ...] = (
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<arg_key>",
-    "</arg_key>",
-    "<arg_value>",
-    "</arg_value>",
-)
-# Template markers that must never be produced from TEXT even if a tokenizer.json marks them
-# non-special (e.g. Qwen-style files mark <think> "special": false).
-CONTROL_TOKEN_NAMES: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|role_end|>",
-    "<role>",
-    "</role>",
-    *ANSWER_MARKERS,
-    "<tool_response>",
-    "</tool_response>",
-)
-EOS_NAME = "<|role_end|>"
+from ling3_rknn.chat import markers
+
+# Template markers that must never be produced from TEXT (spelled in ``chat.markers``).
+CONTROL_TOKEN_NAMES: tuple[str, ...] = markers.CONTROL_MARKERS
 
 
 class TokenizerError(ValueError):
@@ -165,8 +146,10 @@ class Tokenizer:
                     "(an added token with a sparse id must also be in model.vocab)"
                 )
             self._special_ids[name] = want
-        if EOS_NAME not in self._special_ids:
-            raise TokenizerError(f"{source}: no {EOS_NAME} added token (Ling's end of turn)")
+        if markers.ROLE_END not in self._special_ids:
+            raise TokenizerError(
+                f"{source}: no {markers.ROLE_END} added token (Ling's end of turn)"
+            )
 
         self._text.encode_special_tokens = True
         self._forbidden_ids = frozenset(self._special_ids[n] for n in forbidden)
@@ -223,7 +206,7 @@ class Tokenizer:
         ):
             raise TokenizerError(
                 "tokenizer.json: added_tokens must be a list of {id, content} "
-                f"(Ling's special tokens, {EOS_NAME} at least)"
+                f"(Ling's special tokens, {markers.ROLE_END} at least)"
             )
 
     def _build_byte_table(self, spec: dict) -> dict[int, bytes]:
@@ -247,17 +230,17 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        return self._special_ids[EOS_NAME]
+        return self._special_ids[markers.ROLE_END]
 
     @property
     def turn_ending_ids(self) -> frozenset[int]:
-        """Special tokens that end a generated turn: every one but ``ANSWER_MARKERS``.
+        """Special tokens that end a generated turn: every one but ``markers.ANSWER_MARKERS``.
 
         A model that writes ``<role>``, ``<tool_response>`` or ``<|endoftext|>`` is writing
         past its own turn (a role header, a tool result it made up, end of text); the turn
         ends there as at ``<|role_end|>``, and the token never reaches the client as text.
         """
-        answer = {self._special_ids[n] for n in ANSWER_MARKERS if n in self._special_ids}
+        answer = {self._special_ids[n] for n in markers.ANSWER_MARKERS if n in self._special_ids}
         return self._forbidden_ids - answer
 
     @property

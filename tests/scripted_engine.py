@@ -15,18 +15,16 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ling3_rknn.chat.events import Admitted, Finished, GenerationEvent, TextDelta, Usage
 from ling3_rknn.engine.api import (
-    Admitted,
     ContextLengthExceeded,
     EngineBusy,
     EngineFailure,
     EngineStats,
-    Finished,
     GenerationRequest,
     InvalidRequest,
-    TextDelta,
-    Usage,
 )
+from ling3_rknn.engine.parsed_turn import ParsedTurn
 
 # A thinking model's answer with one tool call, in the uneven pieces a tokenizer streams,
 # after the generation prompt "<role>ASSISTANT</role>\n<think>".
@@ -108,8 +106,7 @@ class ScriptedEngine:
             npu_errors=0,
         )
 
-    async def generate(self, request: GenerationRequest
-                       ) -> AsyncIterator[Admitted | TextDelta | Finished]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         script = self.scripts.popleft() if self.scripts else self.default
         self.requests.append(request)
         prompt_tokens = count_tokens(prompt_text(request))
@@ -148,9 +145,10 @@ class ScriptedEngine:
 
     async def _run(
         self, script: Script, request: GenerationRequest, prompt_tokens: int
-    ) -> AsyncIterator[TextDelta | Finished]:
+    ) -> AsyncIterator[GenerationEvent]:
         if script.prefill_delay_s:
             await asyncio.sleep(script.prefill_delay_s)
+        turn = ParsedTurn(request.parser)  # parsed as the real engine parses
         produced: list[str] = []
         for i, piece in enumerate(script.pieces):
             if script.fail == "failure_mid" and i == len(script.pieces) // 2:
@@ -159,9 +157,14 @@ class ScriptedEngine:
                 await asyncio.sleep(script.piece_delay_s)
             produced.append(piece)
             self._completion_tokens += 1
-            yield TextDelta(piece, (i,))
+            for event in turn.feed(TextDelta(piece, (i,))):
+                yield event
         if script.fail == "hang":
             await asyncio.Event().wait()
+        for event in turn.finish():
+            yield event
         self.completed += 1
-        usage = Usage(prompt_tokens, len(script.pieces), script.cached_tokens)
+        usage = Usage(
+            prompt_tokens, len(script.pieces), script.cached_tokens, turn.reasoning_tokens
+        )
         yield Finished(script.finish_reason, usage, "".join(produced))  # type: ignore[arg-type]

@@ -2,8 +2,9 @@
 
 The model may write ``</think>\\n\\n`` before its answer; the template strips those newlines
 when the client sends the turn back, so the next prompt's text differs from what was
-generated. With ``history_text`` (the chat layer's canonical re-rendering) the engine still
-reuses the generated ids and the whole first turn comes from the prefix cache.
+generated. With the request's parser (whose ``history_text()`` is the chat layer's canonical
+re-rendering of what it parsed while streaming) the engine still reuses the generated ids
+and the whole first turn comes from the prefix cache.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ async def two_turns(tok: Tokenizer, with_history_form: bool) -> tuple[Finished, 
     answer = generated_ids(tok)
     model = ScriptedModel(tok.vocab_size, answer_script(answer, think, tok.eos_id))
     engine = Engine(model, tok, model_id="t", max_context=1024, checkpoint_min_tokens=0)
-    form = functools.partial(chat.history_text, thinking=True) if with_history_form else None
+    form = functools.partial(chat.StreamingParser, thinking=True) if with_history_form else None
 
     async def run(messages: list[dict]) -> Finished:
-        request = GenerationRequest(chat.render(messages), GREEDY, history_text=form)
+        request = GenerationRequest(chat.render(messages), GREEDY, parser=form)
         events = [e async for e in engine.generate(request)]
         assert isinstance(events[-1], Finished)
         return events[-1]

@@ -12,13 +12,8 @@ from hypothesis import strategies as st
 from scripted_engine import ScriptedEngine
 
 from ling3_rknn import chat
-from ling3_rknn.server.completion import (
-    Completion,
-    ContentOut,
-    DoneOut,
-    ReasoningOut,
-    ToolCallOut,
-)
+from ling3_rknn.chat import ContentDelta, Finished, ReasoningDelta, ToolCallParsed
+from ling3_rknn.server.completion import Completion
 from ling3_rknn.server.validate import parse_chat_request
 
 TOOLS = [
@@ -81,15 +76,16 @@ def test_events_add_up_to_the_whole_text_parse(index, cuts, thinking, tool_choic
     expected = chat.parse_assistant(
         text, TOOLS if tool_choice == "auto" else None, thinking=thinking
     )
-    assert "".join(e.text for e in events if isinstance(e, ReasoningOut)) == expected.reasoning
-    assert "".join(e.text for e in events if isinstance(e, ContentOut)) == expected.content
-    calls = [e for e in events if isinstance(e, ToolCallOut)]
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+    assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == expected.reasoning
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == expected.content
+    calls = [e for e in events if isinstance(e, ToolCallParsed)]
+    assert [(c.call.name, json.loads(c.call.arguments_json())) for c in calls] == [
         (c.name, c.arguments) for c in expected.tool_calls
     ]
     assert [c.index for c in calls] == list(range(len(calls)))
-    assert all(e.text for e in events if isinstance(e, ReasoningOut | ContentOut))
+    assert all(c.call.id.startswith("call_") for c in calls)
+    assert all(e.text for e in events if isinstance(e, ReasoningDelta | ContentDelta))
     done = events[-1]
-    assert isinstance(done, DoneOut)
+    assert isinstance(done, Finished)
     assert done.finish_reason == ("tool_calls" if calls else "stop")
-    assert sum(isinstance(e, DoneOut) for e in events) == 1
+    assert sum(isinstance(e, Finished) for e in events) == 1

@@ -1,5 +1,5 @@
 """Raw-HTTP tests of the running server: every error path, the strict key check, the SSE
-chunk rules of serving-protocol.md 3.3, disconnects, keep-alive, metrics and shutdown.
+chunk rules of docs/serving.md 6.5, disconnects, keep-alive, metrics and shutdown.
 
 The engine is the scripted double (``scripted_engine.py``); rendering and parsing are the
 real ``ling3_rknn.chat`` code.
@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from scripted_engine import ScriptedEngine
 from server_harness import chat_body, parse_sse, running_server
 
-from ling3_rknn.engine.api import Admitted, ContextLengthExceeded
+from ling3_rknn.chat.events import Admitted
+from ling3_rknn.engine.api import ContextLengthExceeded
 from ling3_rknn.server import AppConfig
 from ling3_rknn.server.state import STATE
 

@@ -8,9 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ling3_rknn.chat import new_tool_call_id
-from ling3_rknn.engine.api import Usage
-from ling3_rknn.server.completion import ToolCallOut
+from ling3_rknn.chat import ToolCall, ToolCallParsed, Usage, new_tool_call_id
 from ling3_rknn.server.responses import ChunkFactory, MessageBuilder
 from ling3_rknn.server.sse import encode_event
 
@@ -39,7 +37,7 @@ def test_message_content_is_null_only_with_tool_calls():
     usage = Usage(10, 2, 4)
     empty = MessageBuilder().body("id", "m", 1, "stop", usage)
     assert empty["choices"][0]["message"] == {"role": "assistant", "content": ""}
-    builder = MessageBuilder(tool_calls=[ToolCallOut(0, "call_a", "read", "{}")])
+    builder = MessageBuilder(tool_calls=[ToolCallParsed(0, ToolCall("read", {}, id="call_a"))])
     body = builder.body("id", "m", 1, "tool_calls", usage)
     message = body["choices"][0]["message"]
     assert message["content"] is None

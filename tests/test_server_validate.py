@@ -50,7 +50,7 @@ def test_minimal_request_defaults():
 
 
 def test_pi_request_is_accepted():
-    """The body pi sends (serving-protocol.md 3.7), replay included."""
+    """The body pi sends (docs/serving.md section 7), replay included."""
     payload = {
         "model": "ling-3.0-tiny",
         "messages": [

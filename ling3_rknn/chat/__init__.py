@@ -1,17 +1,32 @@
-"""Chat layer: OpenAI messages <-> Bailing V3 prompt segments, and model text -> assistant message.
+"""Chat layer: OpenAI messages <-> Bailing V3 prompt segments, model text -> assistant
+message, and the token stream's one event vocabulary (``events``) and marker spellings
+(``markers``).
 
 Leaf package: imports nothing else from ``ling3_rknn`` (enforced by import-linter).
 """
 
-from .history import history_text
-from .parse import assistant_message, new_tool_call_id, parse_assistant
-from .parsed import (
+from .events import (
+    Admitted,
     ContentDelta,
+    Finished,
+    FinishReason,
+    GenerationEvent,
     ParsedMessage,
     ParseEvent,
+    RawArguments,
     ReasoningDelta,
+    TextDelta,
     ToolCall,
     ToolCallParsed,
+    Usage,
+)
+from .history import history_form
+from .parse import (
+    assistant_message,
+    history_text,
+    new_tool_call_id,
+    openai_tool_call,
+    parse_assistant,
 )
 from .render import TEMPLATE_SHA256, render, render_text
 from .segments import ChatFormatError, Segment
@@ -19,18 +34,27 @@ from .stream_parse import StreamingParser
 
 __all__ = [
     "TEMPLATE_SHA256",
+    "Admitted",
     "ChatFormatError",
     "ContentDelta",
+    "FinishReason",
+    "Finished",
+    "GenerationEvent",
     "ParseEvent",
     "ParsedMessage",
+    "RawArguments",
     "ReasoningDelta",
     "Segment",
     "StreamingParser",
+    "TextDelta",
     "ToolCall",
     "ToolCallParsed",
+    "Usage",
     "assistant_message",
+    "history_form",
     "history_text",
     "new_tool_call_id",
+    "openai_tool_call",
     "parse_assistant",
     "render",
     "render_text",

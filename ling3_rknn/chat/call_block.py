@@ -1,6 +1,6 @@
 """Structural matcher for one ``<tool_call>`` block, usable on a growing prefix.
 
-Grammar (serving-protocol.md 1.2/1.5, llama.cpp's Ling 3 parser), after ``<tool_call>``:
+Grammar (docs/serving.md sections 2-3, llama.cpp's Ling 3 parser), after ``<tool_call>``:
 ``ws? NAME ws? ( <arg_key>KEY</arg_key> ws? <arg_value>VALUE</arg_value> ws? )* </tool_call>``.
 NAME must be a declared tool; every required parameter must appear, in any order; a value
 runs to the first ``</arg_value>``, so any other marker-like text inside it survives. A key the
@@ -16,15 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from .parsed import ToolCall
+from . import markers
+from .events import ToolCall
 from .tool_schema import ToolSpec, coerce_value
 
-OPEN: Final = "<tool_call>"
-CLOSE: Final = "</tool_call>"
-KEY_OPEN: Final = "<arg_key>"
-KEY_CLOSE: Final = "</arg_key>"
-VALUE_OPEN: Final = "<arg_value>"
-VALUE_CLOSE: Final = "</arg_value>"
+OPEN: Final = markers.TOOL_CALL_OPEN
+CLOSE: Final = markers.TOOL_CALL_CLOSE
+KEY_OPEN: Final = markers.ARG_KEY_OPEN
+KEY_CLOSE: Final = markers.ARG_KEY_CLOSE
+VALUE_OPEN: Final = markers.ARG_VALUE_OPEN
+VALUE_CLOSE: Final = markers.ARG_VALUE_CLOSE
 
 
 class _Verdict:

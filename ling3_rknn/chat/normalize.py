@@ -1,7 +1,7 @@
 """OpenAI ``messages`` as received over HTTP -> the plain shapes the Bailing V3 template expects.
 
 The template needs string contents, dict arguments and knows no ``developer`` role, so the
-request is normalised first (serving-protocol.md section 6):
+request is normalised first (docs/serving.md sections 1 and 7):
 
 * ``developer`` -> ``system`` (the template would silently drop it).
 * ``content``: ``None`` -> ``""``; a list of ``{"type": "text", "text": ...}`` parts is joined
@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .events import RawArguments, ToolCall
 from .segments import ChatFormatError
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -43,24 +44,11 @@ def clean_text(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class RawArguments:
-    """Arguments string that is not a JSON object; rendered verbatim (see module docstring)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class NormalCall:
-    name: str
-    arguments: dict[str, Any] | RawArguments
-
-
-@dataclass(frozen=True)
 class NormalMessage:
     role: str  # system | user | assistant | tool
     content: str
     reasoning: str | None = None
-    tool_calls: list[NormalCall] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def _content(msg: dict, where: str, role: str) -> str:
@@ -105,7 +93,7 @@ def _arguments(raw: Any, where: str) -> dict[str, Any] | RawArguments:
     return value if isinstance(value, dict) else RawArguments(raw)
 
 
-def _tool_calls(msg: dict, where: str) -> list[NormalCall]:
+def _tool_calls(msg: dict, where: str) -> list[ToolCall]:
     calls = msg.get("tool_calls")
     if calls is None:
         return []
@@ -123,7 +111,7 @@ def _tool_calls(msg: dict, where: str) -> list[NormalCall]:
         if not isinstance(name, str) or not name:
             raise ChatFormatError(f"{cwhere}.function.name must be a non-empty string")
         out.append(
-            NormalCall(name, _arguments(fn.get("arguments"), f"{cwhere}.function.arguments"))
+            ToolCall(name, _arguments(fn.get("arguments"), f"{cwhere}.function.arguments"))
         )
     return out
 
@@ -143,7 +131,7 @@ def normalize_messages(messages: Any) -> list[NormalMessage]:
             role = "system"
         content = _content(msg, where, role)
         reasoning = None
-        calls: list[NormalCall] = []
+        calls: list[ToolCall] = []
         if role == "assistant":
             for key in ("reasoning_content", "reasoning"):
                 value = msg.get(key)

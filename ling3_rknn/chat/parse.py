@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import string
 from collections.abc import Sequence
 from typing import Any
 
-from .parsed import ParsedMessage
+from .events import ParsedMessage, ToolCall
+from .history import history_form
 from .stream_parse import StreamingParser
 
 
@@ -20,6 +20,17 @@ def parse_assistant(
     parser.feed(text)
     parser.finish()
     return parser.result()
+
+
+def history_text(
+    generated: str, tools: Any = None, *, thinking: bool = True, parallel_tool_calls: bool = True
+) -> str | None:
+    """``history.history_form`` of a whole generated text (for callers that did not
+    stream it)."""
+    parsed = parse_assistant(
+        generated, tools, thinking=thinking, parallel_tool_calls=parallel_tool_calls
+    )
+    return history_form(parsed, thinking=thinking)
 
 
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -46,14 +57,16 @@ def assistant_message(parsed: ParsedMessage, ids: Sequence[str] | None = None) -
         msg["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
         msg["tool_calls"] = [
-            {
-                "id": ids[i] if ids is not None else new_tool_call_id(),
-                "type": "function",
-                "function": {
-                    "name": call.name,
-                    "arguments": json.dumps(call.arguments, ensure_ascii=False),
-                },
-            }
+            openai_tool_call(call, ids[i] if ids is not None else new_tool_call_id())
             for i, call in enumerate(parsed.tool_calls)
         ]
     return msg
+
+
+def openai_tool_call(call: ToolCall, call_id: str | None = None) -> dict[str, Any]:
+    """One entry of an OpenAI ``tool_calls`` list (``call_id`` defaults to the call's own)."""
+    return {
+        "id": call.id if call_id is None else call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json()},
+    }

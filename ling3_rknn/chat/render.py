@@ -27,19 +27,27 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .normalize import (
-    NormalCall,
-    NormalMessage,
-    RawArguments,
-    clean_text,
-    normalize_messages,
-    normalize_tools,
+from .events import RawArguments, ToolCall
+from .markers import (
+    ARG_KEY_CLOSE,
+    ARG_KEY_OPEN,
+    ARG_VALUE_CLOSE,
+    ARG_VALUE_OPEN,
+    ROLE_END,
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    generation_prompt,
+    role,
 )
+from .normalize import NormalMessage, clean_text, normalize_messages, normalize_tools
 from .segments import Segment
 
 TEMPLATE_SHA256 = "eb6226c94ae38058f875d159f86a206b3a165828c0e7d6bda664ae14667f798a"
 
-ROLE_END = "<|role_end|>"
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -94,7 +102,7 @@ def _system_header(
     out: _Out, messages: list[NormalMessage], tools: list[dict], option: str
 ) -> None:
     first = messages[0]
-    out.c("<role>SYSTEM</role>")
+    out.c(role("SYSTEM"))
     if tools:
         if first.role == "system":
             out.t(first.content)
@@ -123,37 +131,37 @@ def _split_inline_reasoning(msg: NormalMessage) -> tuple[str, str]:
     content = msg.content
     if msg.reasoning:  # `is string and != ''`
         return msg.reasoning, content
-    if "</think>" in content:
-        reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-        return reasoning, content.split("</think>")[-1].lstrip("\n")
+    if THINK_CLOSE in content:
+        reasoning = content.split(THINK_CLOSE)[0].rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
+        return reasoning, content.split(THINK_CLOSE)[-1].lstrip("\n")
     return "", content
 
 
-def _tool_call(out: _Out, call: NormalCall) -> None:
-    out.c("<tool_call>")
+def _tool_call(out: _Out, call: ToolCall) -> None:
+    out.c(TOOL_CALL_OPEN)
     out.t(call.name)
     out.c("\n")
     if isinstance(call.arguments, RawArguments):
         out.t(call.arguments.text)
     else:
         for key, value in call.arguments.items():
-            out.c("<arg_key>")
+            out.c(ARG_KEY_OPEN)
             out.t(key)
-            out.c("</arg_key>\n<arg_value>")
+            out.c(f"{ARG_KEY_CLOSE}\n{ARG_VALUE_OPEN}")
             out.t(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
-            out.c("</arg_value>")
-    out.c("\n</tool_call>")
+            out.c(ARG_VALUE_CLOSE)
+    out.c(f"\n{TOOL_CALL_CLOSE}")
 
 
 def _assistant(out: _Out, msg: NormalMessage) -> None:
     reasoning, content = _split_inline_reasoning(msg)
     if reasoning:
-        out.c("<role>ASSISTANT</role>\n<think>")
+        out.c(generation_prompt(thinking=True))
         out.t(reasoning.strip("\n"))
-        out.c("</think>")
+        out.c(THINK_CLOSE)
         out.t(content.lstrip("\n"))
     else:
-        out.c("<role>ASSISTANT</role>\n<think></think>")
+        out.c(generation_prompt(thinking=False))
         out.t(content)
     for j, call in enumerate(msg.tool_calls):
         if j > 0 or content:
@@ -181,31 +189,35 @@ def render(
     last = len(msgs) - 1
     for i, msg in enumerate(msgs):
         if msg.role == "user":
-            out.c("<role>HUMAN</role>")
+            out.c(role("HUMAN"))
             out.t(msg.content)
             out.c(ROLE_END)
         elif msg.role == "system":
             if i > 0:
-                out.c("<role>SYSTEM</role>")
+                out.c(role("SYSTEM"))
                 out.t(msg.content)
                 out.c(ROLE_END)
         elif msg.role == "assistant":
             _assistant(out, msg)
         else:  # tool
             if i == 0 or msgs[i - 1].role != "tool":
-                out.c("<role>OBSERVATION</role>")
-            out.c("\n<tool_response>\n")
+                out.c(role("OBSERVATION"))
+            out.c(f"\n{TOOL_RESPONSE_OPEN}\n")
             out.t(msg.content)
-            out.c("\n</tool_response>")
+            out.c(f"\n{TOOL_RESPONSE_CLOSE}")
             if i == last or msgs[i + 1].role != "tool":
                 out.c(ROLE_END)
     if add_generation_prompt:
-        out.c(
-            "<role>ASSISTANT</role>\n<think>"
-            if enable_thinking
-            else "<role>ASSISTANT</role>\n<think></think>"
-        )
+        out.c(generation_prompt(enable_thinking))
     return out.segments()
+
+
+def render_assistant_text(message: NormalMessage) -> str:
+    """One assistant turn as the template renders it inside a conversation, from its role
+    header to its end-of-turn marker (``history`` needs no more than this)."""
+    out = _Out()
+    _assistant(out, message)
+    return "".join(s.text for s in out.segments())
 
 
 def render_text(messages: Any, tools: Any = None, **kwargs: Any) -> str:

@@ -2,7 +2,7 @@
 
 One state machine serves both the streaming API and ``parse_assistant`` (which feeds the whole
 text at once), so the two cannot drift; a hypothesis test checks that any split of a text gives
-the same result. Rules (serving-protocol.md 1.5, the issue):
+the same result. Rules (docs/serving.md section 3):
 
 * ``thinking=True``: the prompt ended inside an open ``<think>``; reasoning runs to the first
   ``</think>``, or to the first ``<tool_call>`` when tools are declared (the model often opens a
@@ -34,7 +34,7 @@ from .call_block import (
     CallMatch,
     match_call,
 )
-from .parsed import (
+from .events import (
     ContentDelta,
     ParsedMessage,
     ParseEvent,
@@ -42,11 +42,9 @@ from .parsed import (
     ToolCall,
     ToolCallParsed,
 )
+from .history import history_form
+from .markers import ROLE_END, THINK_CLOSE, THINK_OPEN
 from .tool_schema import tool_table
-
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-ROLE_END = "<|role_end|>"
 
 
 def _hold_length(buf: str, markers: tuple[str, ...]) -> int:
@@ -120,6 +118,11 @@ class StreamingParser:
         if not self._finished:
             raise RuntimeError("result() before finish()")
         return ParsedMessage("".join(self._reasoning), "".join(self._content), list(self._calls))
+
+    def history_text(self) -> str | None:
+        """The text the template renders for this turn when a client sends it back as
+        history (``history.history_form`` of ``result()``); after ``finish()``."""
+        return history_form(self.result(), thinking=self._thinking)
 
     # ------------------------------------------------------------------ emission
 

@@ -3,8 +3,9 @@
 ``Engine`` implements ``api.EngineProtocol`` for the server.
 """
 
+from ling3_rknn.chat.events import Admitted, Finished, GenerationEvent, TextDelta, Usage
+
 from .api import (
-    Admitted,
     ContextLengthExceeded,
     EngineBusy,
     EngineError,
@@ -12,13 +13,10 @@ from .api import (
     EngineProtocol,
     EngineShutDown,
     EngineStats,
-    Finished,
-    GenerationEvent,
     GenerationRequest,
     InvalidRequest,
     SamplingParams,
-    TextDelta,
-    Usage,
+    TurnParser,
 )
 from .engine import Engine
 from .sampler import LING3_GENERATION_DEFAULTS, defaults_from_generation_config
@@ -40,6 +38,7 @@ __all__ = [
     "InvalidRequest",
     "SamplingParams",
     "TextDelta",
+    "TurnParser",
     "Usage",
     "defaults_from_generation_config",
 ]

@@ -1,5 +1,8 @@
 """The engine's public contract, shared by the engine and the server.
 
+The events a generation yields are the token stream's one vocabulary, defined once in
+``ling3_rknn.chat.events`` (a leaf every layer imports).
+
 The server renders OpenAI messages to typed segments (``ling3_rknn.chat``) and hands them
 to the engine; the engine owns tokenization (so it can splice in token ids it generated
 earlier and keep the prefix cache hitting), the model, the sampler and the prefix cache.
@@ -10,7 +13,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
+
+from ling3_rknn.chat.events import GenerationEvent, ParseEvent
 
 
 class SegmentLike(Protocol):
@@ -37,58 +42,31 @@ class SamplingParams:
     seed: int | None = None
 
 
+class TurnParser(Protocol):
+    """Splits one turn's generated text as it streams; see ``chat.StreamingParser``."""
+
+    def feed(self, text: str) -> Sequence[ParseEvent]: ...
+
+    def finish(self) -> Sequence[ParseEvent]: ...
+
+    def history_text(self) -> str | None:
+        """After ``finish()``: the text the template renders for this turn when a client
+        sends it back, or None when it would not reproduce the generation prompt."""
+        ...
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: Sequence[SegmentLike]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None  # None: up to the context limit
     stop: Sequence[str] = ()
-    # Maps the generated text to the text the template will render for it when the client
-    # sends the turn back as history (``ling3_rknn.chat.history_text``), or None when it
-    # cannot. Lets the engine reuse the generated ids even when the template normalises
-    # the model's spacing; without it the generated text is assumed to re-render verbatim.
-    history_text: Callable[[str], str | None] | None = None
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens restored from the prefix cache, not evaluated
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """First event of every generation: the prompt is encoded, fits the context and holds
-    a place in the queue. Every refusal that needs no generation (busy, prompt too long,
-    bad request) is raised before it, however long encoding took, so a server sends its
-    response headers only after this event and never has to turn a refusal into an error
-    event."""
-
-    prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """Newly decoded text; never half a UTF-8 character, never part of a stop string."""
-
-    text: str
-    token_ids: tuple[int, ...]
-
-
-FinishReason = Literal["stop", "length", "cancelled"]
-
-
-@dataclass(frozen=True)
-class Finished:
-    """Last event of every generation that was not cancelled by the consumer."""
-
-    finish_reason: FinishReason
-    usage: Usage
-    text: str  # the whole generated text, without the EOS marker or a matched stop string
-
-
-GenerationEvent = Admitted | TextDelta | Finished
+    # Makes the parser of this turn (``ling3_rknn.chat.StreamingParser``). With one the
+    # engine emits what it makes of the text (reasoning, content, tool calls) instead of
+    # raw ``TextDelta``s, and keys the turn's generated ids by its ``history_text()``, so
+    # the ids are reused even when the template normalises the model's spacing; without
+    # one the generated text is assumed to re-render verbatim.
+    parser: Callable[[], TurnParser] | None = None
 
 
 class EngineError(Exception):
@@ -113,10 +91,10 @@ class EngineFailure(EngineError):
     """The model or NPU failed; the engine stays usable for the next request."""
 
 
-
 class EngineShutDown(EngineFailure):
     """The engine was closed (service shutdown) before or while serving the request: not a
     model failure, and a retry belongs elsewhere; the server answers 503 ``shutdown``."""
+
 
 class InvalidRequest(EngineError, ValueError):
     """A request value the engine cannot honour (bad sampling knob, empty prompt); the

@@ -19,15 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from ling3_rknn.chat import markers
+from ling3_rknn.chat.events import Admitted, Finished, GenerationEvent
+
 from .api import (
-    Admitted,
     ContextLengthExceeded,
     EngineBusy,
     EngineFailure,
     EngineShutDown,
     EngineStats,
-    Finished,
-    GenerationEvent,
     GenerationRequest,
     InvalidRequest,
     SamplingParams,
@@ -42,7 +42,6 @@ from .snapshot_store import SnapshotStore, model_fingerprint
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 2 << 30  # 2 GiB: ~100 snapshots of the real model's ~20 MB state
-EOS_TEXT = "<|role_end|>"
 
 
 class Engine:
@@ -191,7 +190,7 @@ class Engine:
 
             job = Job(
                 prompt, settings, request.max_tokens, stops, emit,
-                history_text=request.history_text,
+                parser=request.parser,
             )
             with self._admission:
                 self._in_flight += 1
@@ -302,8 +301,8 @@ def _eos_text(tokenizer: TokenizerLike) -> str:
     try:
         text = tokenizer.decode([tokenizer.eos_id])
     except Exception:
-        return EOS_TEXT
-    return text or EOS_TEXT
+        return markers.ROLE_END
+    return text or markers.ROLE_END
 
 
 def _model_snapshot_reader(model: ModelLike) -> Callable[[Mapping[str, np.ndarray]], Any]:

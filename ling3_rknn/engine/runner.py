@@ -24,7 +24,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .api import EngineFailure, Finished, FinishReason, GenerationEvent, TextDelta, Usage
+from ling3_rknn.chat.events import Finished, FinishReason, GenerationEvent, TextDelta, Usage
+
+from .api import EngineFailure, TurnParser
+from .parsed_turn import ParsedTurn
 from .prefix_cache import PrefixCache
 from .prompt_encoder import EncodedPrompt, PromptEncoder, Transcript
 from .sampler import Sampler, SamplerSettings
@@ -78,7 +81,7 @@ class Job:
     stops: tuple[str, ...]
     emit: Callable[[GenerationEvent | BaseException], None]
     cancel: threading.Event = field(default_factory=threading.Event)
-    history_text: Callable[[str], str | None] | None = None
+    parser: Callable[[], TurnParser] | None = None
 
 
 @dataclass
@@ -193,7 +196,7 @@ class Runner:
                 job.prompt.spliced_tokens,
                 len(ids) - depth,
             )
-            reason, generated, text, finished = self._decode(job, logits, depth)
+            reason, generated, turn, finished = self._decode(job, logits, depth)
         except Cancelled:
             with self._counters.lock:
                 self._counters.cancelled += 1
@@ -208,10 +211,10 @@ class Runner:
         # The transcript is learnt before the client hears of the end, so a next turn sent
         # at once already reuses the generated ids; the end-of-turn snapshot follows and is
         # in place before the worker takes that next request.
-        turn = self._remember_turn(job, reason, generated, text)
+        remembered = self._remember_turn(job, reason, generated, turn, finished.text)
         job.emit(finished)
-        if turn is not None:
-            self._snapshot_turn(*turn)
+        if remembered is not None:
+            self._snapshot_turn(*remembered)
 
     def _resume(self, ids: list[int]) -> tuple[int, np.ndarray | None]:
         hit = self._cache.lookup(ids) if self._cache is not None else None
@@ -276,9 +279,10 @@ class Runner:
 
     def _decode(
         self, job: Job, logits: np.ndarray, depth: int
-    ) -> tuple[FinishReason | str, list[int], str, Finished]:
+    ) -> tuple[FinishReason | str, list[int], ParsedTurn, Finished]:
         ids = job.prompt.ids
         sampler = Sampler(job.settings, self._sample_limit, ids)
+        turn = ParsedTurn(job.parser)
         decoder = self._tokenizer.stream_decoder()
         stopper = StopMatcher(job.stops)
         limit = self._options.max_context - len(ids)
@@ -304,7 +308,8 @@ class Runner:
                 text = stopper.feed(decoder.feed(token))
                 if text:
                     pieces.append(text)
-                    job.emit(TextDelta(text, tuple(pending)))
+                    for event in turn.feed(TextDelta(text, tuple(pending))):
+                        job.emit(event)
                     pending = []
                 if stopper.stopped:
                     reason = "stop_string"
@@ -325,14 +330,17 @@ class Runner:
                 reason = "stop_string"
             if tail:
                 pieces.append(tail)
-                job.emit(TextDelta(tail, tuple(pending)))
+                for event in turn.feed(TextDelta(tail, tuple(pending))):
+                    job.emit(event)
+        for event in turn.finish():
+            job.emit(event)
         text = "".join(pieces)
         finish: FinishReason = "length" if reason == "length" else "stop"
-        usage = Usage(len(ids), len(generated), depth)
-        return reason, generated, text, Finished(finish, usage, text)
+        usage = Usage(len(ids), len(generated), depth, turn.reasoning_tokens)
+        return reason, generated, turn, Finished(finish, usage, text)
 
     def _remember_turn(
-        self, job: Job, reason: str, generated: list[int], text: str
+        self, job: Job, reason: str, generated: list[int], turn: ParsedTurn, text: str
     ) -> tuple[list[int], list[int], Transcript] | None:
         """Record the finished turn for generated-id reuse; returns what the end-of-turn
         snapshot needs (token path, ids still to feed, transcript), or None."""
@@ -348,7 +356,7 @@ class Runner:
         full = [*prompt.ids, *body, self._eos_id]
         if len(full) > self._options.max_context:
             return None
-        record = self._encoder.remember(prompt, _history_form(job, text), body, self._eos_id)
+        record = self._encoder.remember(prompt, _history_form(turn, text), body, self._eos_id)
         return full, feed, record
 
     def _snapshot_turn(self, full: list[int], feed: list[int], record: Transcript) -> None:
@@ -367,13 +375,11 @@ class Runner:
         self._snapshot(full, logits, self._encoder.note_of(record))
 
 
-def _history_form(job: Job, text: str) -> str:
-    """The text the next request will carry for this turn (the generated text itself
-    unless the caller knows how the template normalises it)."""
-    if job.history_text is None:
-        return text
+def _history_form(turn: ParsedTurn, text: str) -> str:
+    """The text the next request will carry for this turn: the parser's history form of
+    what it already parsed while streaming, else the generated text itself."""
     try:
-        canonical = job.history_text(text)
+        canonical = turn.history_text(text)
     except Exception:  # a hint only: never lose the turn's transcript over it
         log.exception("engine: history_text failed; keeping the generated text")
         return text

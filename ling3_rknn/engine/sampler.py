@@ -23,7 +23,7 @@ _TOP_P_FIRST_GUESS = 64  # candidates tried first when top-p runs without top-k
 _BUCKETS = 4096  # probability buckets of the top-p search over the whole vocabulary
 _Z_FLOOR = 40.0  # scaled logits below -40 share the lowest bucket (mass < V * e^-40)
 
-# Ling-3.0-tiny's generation_config.json (ling3-model.md section 8).
+# Ling-3.0-tiny's generation_config.json (docs/model.md section 8).
 LING3_GENERATION_DEFAULTS = SamplingParams(temperature=1.0, top_p=0.95, top_k=20)
 
 

@@ -13,14 +13,9 @@ from typing import Any
 
 from aiohttp import web
 
+from ling3_rknn.chat.events import ContentDelta, Finished, ReasoningDelta, ToolCallParsed
 from ling3_rknn.server import errors
-from ling3_rknn.server.completion import (
-    Completion,
-    ContentOut,
-    DoneOut,
-    ReasoningOut,
-    ToolCallOut,
-)
+from ling3_rknn.server.completion import Completion
 from ling3_rknn.server.errors import ApiError
 from ling3_rknn.server.metrics import ServerMetrics
 from ling3_rknn.server.responses import ChunkFactory, MessageBuilder, new_completion_id
@@ -84,17 +79,17 @@ async def _whole(request: web.Request, completion: Completion, model: str) -> we
     started = time.monotonic()
     await completion.start()
     message = MessageBuilder()
-    done: DoneOut | None = None
+    done: Finished | None = None
     first = True
     async for event in completion.events():
         if first:
             metrics.time_to_first_token.observe(time.monotonic() - started)
             first = False
-        if isinstance(event, ReasoningOut):
+        if isinstance(event, ReasoningDelta):
             message.reasoning.append(event.text)
-        elif isinstance(event, ContentOut):
+        elif isinstance(event, ContentDelta):
             message.content.append(event.text)
-        elif isinstance(event, ToolCallOut):
+        elif isinstance(event, ToolCallParsed):
             message.tool_calls.append(event)
         else:
             done = event
@@ -106,7 +101,6 @@ async def _whole(request: web.Request, completion: Completion, model: str) -> we
         int(time.time()),
         done.finish_reason,
         done.usage,
-        done.reasoning_tokens,
     )
     return web.json_response(body, headers={"X-Request-Id": request[RID]})
 
@@ -161,7 +155,7 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
 
 
 async def _send_error(writer: SseWriter, error: ApiError, request_id: str) -> None:
-    """Errors after the headers went out are an ``error`` event (serving-protocol.md 3.3);
+    """Errors after the headers went out are an ``error`` event (docs/serving.md 6.5);
     a client that is already gone does not need one. The access log says 200 for such a
     stream, so the error is logged here."""
     log.warning("%s stream ended with error %d %s: %s", request_id, error.status,
@@ -185,22 +179,22 @@ async def _stream_events(
         if first_event:
             metrics.time_to_first_token.observe(time.monotonic() - started)
             first_event = False
-        if isinstance(event, ContentOut):
+        if isinstance(event, ContentDelta):
             await writer.write(chunks.content_event(event.text))
-        elif isinstance(event, ReasoningOut):
+        elif isinstance(event, ReasoningDelta):
             await writer.write(chunks.reasoning_event(event.text))
-        elif isinstance(event, ToolCallOut):
+        elif isinstance(event, ToolCallParsed):
             await writer.send(chunks.tool_call(event))
         else:
             await writer.send(chunks.finish(event.finish_reason))
             if chunks.include_usage:
-                await writer.send(chunks.usage(event.usage, event.reasoning_tokens))
+                await writer.send(chunks.usage(event.usage))
             await writer.write(DONE)
             _log_completion(request, metrics, True, event, started)
 
 
 def _log_completion(
-    request: web.Request, metrics: ServerMetrics, stream: bool, done: DoneOut, started: float
+    request: web.Request, metrics: ServerMetrics, stream: bool, done: Finished, started: float
 ) -> None:
     metrics.completions.labels(str(stream).lower(), done.finish_reason).inc()
     usage = done.usage

@@ -1,35 +1,41 @@
 """One chat completion from a validated request to typed events.
 
-Streaming and non-streaming responses both consume the same event sequence, so a
-streamed answer always concatenates to the non-streamed one. Rendering (OpenAI messages
-to typed prompt segments) and parsing (generated text to reasoning, content and tool
-calls) belong to ``ling3_rknn.chat``; this module only wires them to the engine.
+Streaming and non-streaming responses both consume the same event sequence (the token
+stream's one vocabulary, ``chat.events``), so a streamed answer always concatenates to the
+non-streamed one. Rendering (OpenAI messages to typed prompt segments) and parsing
+(generated text to reasoning, content and tool calls) belong to ``ling3_rknn.chat``; the
+engine runs the request's parser as it decodes, and this module only wires the request
+to the engine, gives each call its id and settles the finish reason.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import json
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ling3_rknn import chat
-from ling3_rknn.engine.api import (
+from ling3_rknn.chat import markers
+from ling3_rknn.chat.events import (
     Admitted,
+    ContentDelta,
+    Finished,
+    GenerationEvent,
+    ReasoningDelta,
+    ToolCallParsed,
+)
+from ling3_rknn.engine.api import (
     ContextLengthExceeded,
     EngineBusy,
     EngineFailure,
     EngineProtocol,
     EngineShutDown,
-    Finished,
     GenerationRequest,
     InvalidRequest,
     SegmentLike,
-    TextDelta,
-    Usage,
 )
 from ling3_rknn.server.errors import (
     ApiError,
@@ -44,37 +50,11 @@ log = logging.getLogger("ling3_rknn.server")
 
 # The model sometimes spells its end-of-turn marker as ordinary text tokens instead of the
 # control token; treating the text as a stop string ends the turn either way.
-END_OF_TURN_TEXT = "<|role_end|>"
+END_OF_TURN_TEXT = markers.ROLE_END
 
-
-@dataclass(frozen=True)
-class ReasoningOut:
-    text: str
-
-
-@dataclass(frozen=True)
-class ContentOut:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallOut:
-    index: int
-    id: str
-    name: str
-    arguments: str  # the whole JSON string
-
-
-@dataclass(frozen=True)
-class DoneOut:
-    finish_reason: str  # "stop" | "length" | "tool_calls"
-    usage: Usage
-    # Tokens generated before the first content or tool call was released: the reasoning
-    # block plus the few tokens of its closing marker.
-    reasoning_tokens: int = 0
-
-
-CompletionEvent = ReasoningOut | ContentOut | ToolCallOut | DoneOut
+# What a completion yields: the engine's parsed events, each call with its id, then the
+# engine's Finished with the OpenAI finish reason ("tool_calls" when the turn made calls).
+CompletionEvent = ReasoningDelta | ContentDelta | ToolCallParsed | Finished
 
 
 def engine_failure(exc: EngineFailure, request_id: str) -> ApiError:
@@ -114,9 +94,9 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
         sampling=request.sampling,
         max_tokens=request.max_tokens,
         stop=tuple(dict.fromkeys(stops)),
-        history_text=functools.partial(
-            chat.history_text,
-            tools=callable_tools(request),
+        parser=functools.partial(
+            chat.StreamingParser,
+            callable_tools(request),
             thinking=request.enable_thinking,
             parallel_tool_calls=request.parallel_tool_calls,
         ),
@@ -141,7 +121,7 @@ def _engine_errors(ended: str, request_id: str) -> Iterator[None]:
 
 
 class Completion:
-    """Drives one generation: engine text in, completion events out.
+    """Drives one generation: the engine's parsed events in, completion events out.
 
     ``start()`` waits for the engine's admission, so its up-front refusals (busy, prompt
     too long) surface as HTTP errors before any response header is sent.
@@ -152,20 +132,11 @@ class Completion:
                  request_id: str = "-") -> None:
         self.request = request
         self._request_id = request_id
-        prompt = render_prompt(request)
-        self._parser = chat.StreamingParser(
-            callable_tools(request),
-            thinking=request.enable_thinking,
-            parallel_tool_calls=request.parallel_tool_calls,
-        )
         self._engine = engine
-        self._generation_request = generation_request(request, prompt)
-        self._generation: AsyncIterator[Admitted | TextDelta | Finished] | None = None
-        self._first: TextDelta | Finished | None = None
+        self._generation_request = generation_request(request, render_prompt(request))
+        self._generation: AsyncIterator[GenerationEvent] | None = None
+        self._first: GenerationEvent | None = None
         self._calls = 0
-        self._reasoning_tokens = 0
-        self._answering = False  # a content delta or a call has been released
-        self._saw_reasoning = False
         self.finished: Finished | None = None
 
     async def start(self) -> None:
@@ -187,19 +158,17 @@ class Completion:
         while True:
             if isinstance(event, Finished):
                 self.finished = event
-                for out in self._convert(self._parser.finish()):
-                    yield out
-                reasoning = self._reasoning_tokens if self._saw_reasoning else 0
-                yield DoneOut(self._finish_reason(event), event.usage, reasoning)
+                yield dataclasses.replace(event, finish_reason=self._finish_reason(event))
                 return
-            if isinstance(event, TextDelta):
-                if not self._answering:
-                    self._reasoning_tokens += len(event.token_ids)
-                for out in self._convert(self._parser.feed(event.text)):
-                    yield out
+            if isinstance(event, ToolCallParsed):
+                call = dataclasses.replace(event.call, id=chat.new_tool_call_id())
+                yield ToolCallParsed(self._calls, call)
+                self._calls += 1
+            elif isinstance(event, ReasoningDelta | ContentDelta):
+                yield event
             event = await self._next()
 
-    async def _next(self) -> TextDelta | Finished | Admitted:
+    async def _next(self) -> GenerationEvent:
         assert self._generation is not None
         with _engine_errors("The engine stopped without finishing.", self._request_id):
             return await anext(self._generation)
@@ -211,33 +180,9 @@ class Completion:
         if closer is not None:
             await closer()
 
-    def _finish_reason(self, finished: Finished) -> str:
+    def _finish_reason(self, finished: Finished) -> chat.FinishReason:
         if self._calls:
             return "tool_calls"
         if finished.finish_reason == "cancelled":
             raise ApiError(503, "The generation was cancelled by the server.", type="server_error")
         return finished.finish_reason
-
-    def _convert(self, parsed: Any) -> list[CompletionEvent]:
-        out: list[CompletionEvent] = []
-        for item in parsed:
-            if isinstance(item, chat.ReasoningDelta):
-                if item.text:
-                    self._saw_reasoning = True
-                    out.append(ReasoningOut(item.text))
-            elif isinstance(item, chat.ContentDelta):
-                if item.text:
-                    self._answering = True
-                    out.append(ContentOut(item.text))
-            elif isinstance(item, chat.ToolCallParsed):
-                self._answering = True
-                out.append(
-                    ToolCallOut(
-                        index=self._calls,
-                        id=chat.new_tool_call_id(),
-                        name=item.call.name,
-                        arguments=json.dumps(item.call.arguments, ensure_ascii=False),
-                    )
-                )
-                self._calls += 1
-        return out

@@ -1,4 +1,4 @@
-"""OpenAI response and chunk shapes (``serving-protocol.md`` 3.2 and 3.3), built as
+"""OpenAI response and chunk shapes (docs/serving.md 6.4 and 6.5), built as
 plain dicts so the hot streaming path is one ``json.dumps`` per chunk."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ling3_rknn.engine.api import Usage
-from ling3_rknn.server.completion import ToolCallOut
+from ling3_rknn.chat import openai_tool_call
+from ling3_rknn.chat.events import ToolCallParsed, Usage
 from ling3_rknn.server.sse import encode_event
 
 
@@ -18,23 +18,15 @@ def new_completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
-def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
+def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "completion_tokens_details": {
-            "reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)
+            "reasoning_tokens": min(usage.reasoning_tokens, usage.completion_tokens)
         },
-    }
-
-
-def tool_call_body(call: ToolCallOut) -> dict[str, Any]:
-    return {
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments},
     }
 
 
@@ -44,7 +36,7 @@ class MessageBuilder:
 
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
-    tool_calls: list[ToolCallOut] = field(default_factory=list)
+    tool_calls: list[ToolCallParsed] = field(default_factory=list)
 
     def body(
         self,
@@ -53,7 +45,6 @@ class MessageBuilder:
         created: int,
         finish_reason: str,
         usage: Usage,
-        reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         text = "".join(self.content)
         message: dict[str, Any] = {
@@ -63,7 +54,7 @@ class MessageBuilder:
         if self.reasoning:
             message["reasoning_content"] = "".join(self.reasoning)
         if self.tool_calls:
-            message["tool_calls"] = [tool_call_body(c) for c in self.tool_calls]
+            message["tool_calls"] = [openai_tool_call(c.call) for c in self.tool_calls]
         return {
             "id": completion_id,
             "object": "chat.completion",
@@ -73,7 +64,7 @@ class MessageBuilder:
             "choices": [
                 {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             ],
-            "usage": usage_body(usage, reasoning_tokens),
+            "usage": usage_body(usage),
         }
 
 
@@ -126,13 +117,13 @@ class ChunkFactory:
         value = json.dumps(text, ensure_ascii=False).encode()
         return b"".join((self._head, b'{"', field, b'": ', value, b"}", self._tail))
 
-    def tool_call(self, call: ToolCallOut) -> dict[str, Any]:
-        return self._chunk({"tool_calls": [{"index": call.index, **tool_call_body(call)}]})
+    def tool_call(self, event: ToolCallParsed) -> dict[str, Any]:
+        return self._chunk({"tool_calls": [{"index": event.index, **openai_tool_call(event.call)}]})
 
     def finish(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk({}, finish_reason)
 
-    def usage(self, usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
+    def usage(self, usage: Usage) -> dict[str, Any]:
         return {
             "id": self.completion_id,
             "object": "chat.completion.chunk",
@@ -140,7 +131,7 @@ class ChunkFactory:
             "model": self.model,
             "system_fingerprint": None,
             "choices": [],
-            "usage": usage_body(usage, reasoning_tokens),
+            "usage": usage_body(usage),
         }
 
 

@@ -3,7 +3,7 @@
 Every key is checked; an unknown one is a 400 naming it by its full path
 (``messages[2].tool_calls[0].function.argumnets``), so a typo in a client config never
 silently changes behaviour. The keys that real clients send and that we accept or ignore
-are listed explicitly (``serving-protocol.md`` 3.1 and 3.7).
+are listed explicitly (docs/serving.md 6.2 and 7).
 
 Written by hand rather than with pydantic on purpose: clients need error messages and a
 ``param`` in OpenAI's path notation, and pydantic's union errors name internal union

@@ -1,0 +1,75 @@
+"""One turn's decoded text through the request's parser: what the engine emits.
+
+The engine decodes ids to ``TextDelta``s; with a parser every delta becomes the reasoning,
+content and tool-call events the parser settles, and the turn's figures that only the
+parse knows (how many tokens went to reasoning, the turn's history form) come from the
+same pass. Without a parser the deltas pass through unchanged. Shared by the runner and
+by test doubles of the engine, so both count reasoning tokens the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ling3_rknn.chat.events import (
+    ContentDelta,
+    GenerationEvent,
+    ParseEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallParsed,
+)
+
+from .api import TurnParser
+
+
+class ParsedTurn:
+    """Feed ``TextDelta``s, then ``finish()``; read ``reasoning_tokens`` and
+    ``history_text()`` at the end."""
+
+    def __init__(self, make_parser: Callable[[], TurnParser] | None) -> None:
+        self._parser = make_parser() if make_parser is not None else None
+        self._tokens = 0  # tokens of the deltas fed before the answer began
+        self._answering = False  # a content delta or a call has been released
+        self._saw_reasoning = False
+
+    @property
+    def parsing(self) -> bool:
+        return self._parser is not None
+
+    def feed(self, delta: TextDelta) -> list[GenerationEvent]:
+        if self._parser is None:
+            return [delta]
+        if not self._answering:
+            self._tokens += len(delta.token_ids)
+        return self._track(self._parser.feed(delta.text))
+
+    def finish(self) -> list[GenerationEvent]:
+        return [] if self._parser is None else self._track(self._parser.finish())
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Tokens generated before the first content or call was released (the reasoning
+        block plus its closing marker); 0 when the turn had no reasoning."""
+        return self._tokens if self._saw_reasoning else 0
+
+    def history_text(self, generated: str) -> str | None:
+        """After ``finish()``: the parser's history form of the turn, or ``generated``
+        itself without a parser; None when there is no form the next turn can match."""
+        return generated if self._parser is None else self._parser.history_text()
+
+    def _track(self, parsed: Sequence[ParseEvent]) -> list[GenerationEvent]:
+        out: list[GenerationEvent] = []
+        for event in parsed:
+            if isinstance(event, ReasoningDelta):
+                if not event.text:
+                    continue
+                self._saw_reasoning = True
+            elif isinstance(event, ContentDelta):
+                if not event.text:
+                    continue
+                self._answering = True
+            elif isinstance(event, ToolCallParsed):
+                self._answering = True
+            out.append(event)
+        return out
