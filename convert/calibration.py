@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ling3_rknn.bundle import StageName
 from ling3_rknn.config import ModelConfig
 from ling3_rknn.model import CpuWeights, Model, NumpyStages
 from ling3_rknn.model.moe import NumpyExperts
@@ -202,26 +203,26 @@ class _RecordingStages:
         return self._inner.embed(ids)
 
     def kda_input(self, layer: int, x: np.ndarray) -> KdaInputs:
-        self._rec.add(f"layer.{layer}.in", x=x)
+        self._rec.add(str(StageName.layer_in(layer)), x=x)
         return self._inner.kda_input(layer, x)
 
     def mla_input(self, layer: int, x: np.ndarray) -> MlaInputs:
-        self._rec.add(f"layer.{layer}.in", x=x)
+        self._rec.add(str(StageName.layer_in(layer)), x=x)
         return self._inner.mla_input(layer, x)
 
     def kda_output(self, layer: int, x: np.ndarray, core: np.ndarray, out_gate: np.ndarray
                    ) -> LayerOutput:
-        self._rec.add(f"layer.{layer}.out", x=x, out_gate=out_gate,
+        self._rec.add(str(StageName.layer_out(layer)), x=x, out_gate=out_gate,
                       core_normed=kda_core_norm(core, self._eps))
         return self._inner.kda_output(layer, x, core, out_gate)
 
     def mla_output(self, layer: int, x: np.ndarray, ctx: np.ndarray, gate: np.ndarray
                    ) -> LayerOutput:
-        self._rec.add(f"layer.{layer}.out", x=x, ctx=ctx, gate=gate)
+        self._rec.add(str(StageName.layer_out(layer)), x=x, ctx=ctx, gate=gate)
         return self._inner.mla_output(layer, x, ctx, gate)
 
     def final(self, x: np.ndarray) -> np.ndarray:
-        self._rec.add("final", x=x)
+        self._rec.add(str(StageName.final()), x=x)
         return self._inner.final(x)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ling3_rknn.bundle import PlacementPlan
+from ling3_rknn.bundle import PlacementPlan, StageName
 
 NPU_WINDOW_BYTES = 4 * 1024**3
 DEFAULT_RESERVE_BYTES = 256 * 1024**2  # command buffers, internal tensors, other users
@@ -90,7 +90,7 @@ def plan_placement(
     stage_cores = {name: "auto" for name in stage_names}
     for n, (layer, e) in enumerate((layer, e) for layer, ids in npu_experts.items()
                                    for e in ids):
-        stage_cores[f"layer.{layer}.expert.{e}"] = EXPERT_CORES[n % len(EXPERT_CORES)]
+        stage_cores[str(StageName.npu_expert(layer, e))] = EXPERT_CORES[n % len(EXPERT_CORES)]
     share = float(sum(counts[moe_layers.index(layer), list(ids)].sum()
                       for layer, ids in npu_experts.items()) / counts.sum())
     return PlacementReport(

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 
 from convert.onnx_ops import GraphBuilder
+from ling3_rknn.bundle import StageName
 from ling3_rknn.config import ModelConfig
 from ling3_rknn.model.stages import (
     DenseFfnWeights,
@@ -237,5 +238,5 @@ def stage_names(cfg: ModelConfig) -> list[str]:
     """Every dense stage in execution order (the NPU calls of one token)."""
     names = []
     for i in range(cfg.num_hidden_layers):
-        names += [f"layer.{i}.in", f"layer.{i}.out"]
-    return [*names, "final"]
+        names += [str(StageName.layer_in(i)), str(StageName.layer_out(i))]
+    return [*names, str(StageName.final())]

@@ -2,7 +2,8 @@
 
 ``serve`` brings the HTTP API up first (``/health`` answers 503 while loading) and loads
 the model in a background thread, so a service manager sees a live process at once and a
-slow model load never looks like a hang. Other sub-commands are added next to it.
+slow model load never looks like a hang. ``convert`` (host only) hands over to the
+``convert`` package, imported lazily so the board runtime never loads it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from ling3_rknn.bundle import EXPERT_FORMATS, STAGE_QUANTS, TARGETS
 
 API_KEY_ENV = "LING3_RKNN_API_KEY"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -117,11 +120,11 @@ def _add_convert(commands: Any) -> None:
     conv = commands.add_parser("convert", help="HF checkpoint -> bundle (host only)")
     conv.add_argument("hf_dir", type=Path, metavar="HF_DIR")
     conv.add_argument("out_dir", type=Path, metavar="OUT_DIR")
-    conv.add_argument("--target", choices=["rk3588", "cpu"], default="rk3588")
-    conv.add_argument("--quant", choices=["fp16", "w8a8", "int8", "int4", "fp32"],
+    conv.add_argument("--target", choices=TARGETS, default="rk3588")
+    conv.add_argument("--quant", choices=[q for t in TARGETS for q in STAGE_QUANTS[t]],
                       help="stage weights: fp16 (default) | w8a8 for rk3588; int8 (default) "
                       "| int4 | fp32 for --target cpu")
-    conv.add_argument("--experts", choices=["int4", "int8", "fp16"], default="int4")
+    conv.add_argument("--experts", choices=EXPERT_FORMATS, default="int4")
     conv.add_argument("--calibration", type=Path, metavar="FILE",
                       help="prompts: JSONL (text or ids per line) or blank-line separated text")
     conv.add_argument("--npu-budget", type=parse_size, metavar="BYTES",
@@ -252,14 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command == "serve":
-        return serve(args)
     if args.command == "convert":
         from convert.cli import run_convert
 
         return run_convert(args)
-    raise AssertionError(f"unhandled command {args.command}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return serve(args)

@@ -36,7 +36,7 @@ import pytest
 from conftest import FIXTURES, ORACLE_DIR
 
 from convert.calibration import calibrate
-from convert.converter import ConvertOptions, _build_stage, convert, open_checkpoint
+from convert.converter import ConvertOptions, build_stage, convert, open_checkpoint
 from convert.rknn_simulator import SimulatedGraphs, SimulatedStage
 from convert.rknn_toolkit import build_rknn, rknn_available
 from ling3_rknn.model import Model, NumpyStages
@@ -117,7 +117,7 @@ def test_every_stage_in_simulator(setup, quant, tmp_path) -> None:
     w, calib, held_out, ref = setup
     rows, fallbacks = [], {}
     for name in sorted(calib.stage_rows):
-        graph = _build_stage(w, name, np.float32)
+        graph = build_stage(w, name, np.float32)
         src = tmp_path / f"{name}.onnx"
         onnx.save(graph.model, str(src))
         samples = held_out.samples(name, graph.inputs, 4)  # [4, 1, CHUNK, width]
@@ -228,7 +228,7 @@ def test_quantized_end_to_end_in_simulator(setup, tmp_path) -> None:
         models[experts] = Model.from_bundle(out, executor="mock")
     sources = {}
     for name in models["int4"].bundle.manifest.stages:
-        graph = _build_stage(w, name, np.float32)
+        graph = build_stage(w, name, np.float32)
         sources[name] = (tmp_path / f"{name}.onnx", graph.inputs)
         onnx.save(graph.model, str(sources[name][0]))
     figures = {}

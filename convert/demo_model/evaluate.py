@@ -193,7 +193,7 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
     import onnx
 
     from convert.calibration import calibrate, load_prompts
-    from convert.converter import ConvertOptions, _build_stage, open_checkpoint
+    from convert.converter import ConvertOptions, build_stage, open_checkpoint
     from convert.rknn_simulator import SimulatedGraphs, SimulatedStage
     from ling3_rknn.tokenizer import Tokenizer
 
@@ -205,7 +205,7 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
                       defaults.calibration_samples)
     jobs = []
     for name, spec in manifest.stages.items():
-        graph = _build_stage(w, name, np.float32)
+        graph = build_stage(w, name, np.float32)
         path = work / f"{name}.onnx"
         onnx.save(graph.model, str(path))
         jobs.append(SimulatedStage(

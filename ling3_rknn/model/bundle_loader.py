@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..bundle import Bundle, BundleError
+from ..bundle import EMBEDDING_KEY, Bundle, BundleError, StageName, conv_key, expert_bias_key
 from ..config import ConfigError, ModelConfig
 from ..npu import GraphExecutor, resolve_rknnlite
 from .bundle_executors import check_not_placeholder, open_experts, open_stage
@@ -44,15 +44,15 @@ def runtime_for(executor: str) -> str | None:
 def _cpu_weights(bundle: Bundle, cfg: ModelConfig) -> tuple[SafetensorsFile, CpuWeights]:
     try:
         f = SafetensorsFile(bundle.path(bundle.manifest.weights))
-        f.shape("embedding")
-        conv = {i: np.ascontiguousarray(f.float32(f"conv.{i}")) for i in cfg.kda_layers}
-        bias = {i: np.array(f.float32(f"expert_bias.{i}"))
+        f.shape(EMBEDDING_KEY)
+        conv = {i: np.ascontiguousarray(f.float32(conv_key(i))) for i in cfg.kda_layers}
+        bias = {i: np.array(f.float32(expert_bias_key(i)))
                 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)}
     except (KeyError, CheckpointError) as exc:
         raise BundleError(f"{bundle.manifest.weights}: {exc}") from exc
-    if f.shape("embedding") != (cfg.vocab_size, cfg.hidden_size):
+    if f.shape(EMBEDDING_KEY) != (cfg.vocab_size, cfg.hidden_size):
         raise BundleError(f"{bundle.manifest.weights}: embedding has shape "
-                          f"{list(f.shape('embedding'))}, config says "
+                          f"{list(f.shape(EMBEDDING_KEY))}, config says "
                           f"{[cfg.vocab_size, cfg.hidden_size]}")
     return f, CpuWeights(conv, bias)
 
@@ -75,16 +75,16 @@ def load_bundle_parts(bundle: Bundle, executor: ExecutorChoice = "auto", threads
             check_not_placeholder(bundle, name, rknnlite_cls)
             executors[name] = open_stage(bundle, name, runtime=runtime,
                                          rknnlite_cls=rknnlite_cls, threads=threads)
-        missing = [f"layer.{i}.{r}" for i in range(cfg.num_hidden_layers) for r in ("in", "out")
-                   if f"layer.{i}.{r}" not in executors] + (
-            [] if "final" in executors else ["final"])
+        needed = [str(n) for i in range(cfg.num_hidden_layers)
+                  for n in (StageName.layer_in(i), StageName.layer_out(i))]
+        missing = [n for n in [*needed, str(StageName.final())] if n not in executors]
         if missing:
             raise BundleError(f"bundle lacks stage graphs {missing}")
         weights, cpu_weights = _cpu_weights(bundle, cfg)
         stages = GraphStages(cfg, executors, weights, m.chunk_sizes[0])
         moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         cpu = {i: open_experts(bundle, i, threads=threads) for i in moe}
-        npu = {layer: {e: executors[f"layer.{layer}.expert.{e}"] for e in ids}
+        npu = {layer: {e: executors[str(StageName.npu_expert(layer, e))] for e in ids}
                for layer, ids in m.placement.npu_experts.items()}
     except BaseException:
         for ex in executors.values():

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ..bundle import EMBEDDING_KEY, StageName
 from ..config import ModelConfig
 from ..npu import ExpertExecutor, GraphExecutor
 from .safetensors_file import SafetensorsFile
@@ -73,11 +74,11 @@ class GraphStages:
 
     # ------------------------------------------------------------------ StageBackend
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        return self._w.float32_rows("embedding", ids)
+        return self._w.float32_rows(EMBEDDING_KEY, ids)
 
     def kda_input(self, layer: int, x: np.ndarray) -> KdaInputs:
         c = self._cfg
-        o = self.run(f"layer.{layer}.in", x)
+        o = self.run(str(StageName.layer_in(layer)), x)
         shape = (x.shape[0], c.num_attention_heads, c.kda_head_dim)
         decay = (safe_gate_log_decay(o["forget_logit"], c.kda_lower_bound)
                  if "forget_logit" in o else o["log_decay"])
@@ -86,7 +87,7 @@ class GraphStages:
 
     def mla_input(self, layer: int, x: np.ndarray) -> MlaInputs:
         c = self._cfg
-        o = self.run(f"layer.{layer}.in", x)
+        o = self.run(str(StageName.layer_in(layer)), x)
         t, h = x.shape[0], c.num_attention_heads
         return MlaInputs(q_latent=o["q_latent"].reshape(t, h, c.kv_lora_rank),
                          q_rope=o["q_rope"].reshape(t, h, c.qk_rope_head_dim),
@@ -96,12 +97,13 @@ class GraphStages:
                    ) -> LayerOutput:
         t = x.shape[0]
         normed = kda_core_norm(core, self._cfg.rms_norm_eps)  # the graph's contract
-        o = self.run(f"layer.{layer}.out", x, normed.reshape(t, -1), out_gate.reshape(t, -1))
+        o = self.run(str(StageName.layer_out(layer)), x, normed.reshape(t, -1),
+                     out_gate.reshape(t, -1))
         return self._layer_output(x, o)
 
     def mla_output(self, layer: int, x: np.ndarray, ctx: np.ndarray, gate: np.ndarray
                    ) -> LayerOutput:
-        o = self.run(f"layer.{layer}.out", x, ctx.reshape(x.shape[0], -1), gate)
+        o = self.run(str(StageName.layer_out(layer)), x, ctx.reshape(x.shape[0], -1), gate)
         return self._layer_output(x, o)
 
     @staticmethod
@@ -115,7 +117,7 @@ class GraphStages:
                            router_logits=o["router_logits"])
 
     def final(self, x: np.ndarray) -> np.ndarray:
-        return self.run("final", x)["logits"]
+        return self.run(str(StageName.final()), x)["logits"]
 
 
 class BundleExperts:
@@ -142,6 +144,6 @@ class BundleExperts:
             out = self._cpu[layer].run(x, ids, np.where(on_npu, np.float32(0), weights))
         for e in np.unique(ids[on_npu]).tolist():
             tok, slot = np.nonzero(ids == e)
-            y = self._stages.run(f"layer.{layer}.expert.{e}", x[tok])["y"]
+            y = self._stages.run(str(StageName.npu_expert(layer, e)), x[tok])["y"]
             out[tok] += weights[tok, slot][:, None] * y
         return out

@@ -180,8 +180,8 @@ from pathlib import Path
 from typing import Any
 import numpy as np, onnx
 from convert.calibration import calibrate, load_prompts
-from convert.converter import (ConvertOptions, _build_stage, _expert_block, _write_cpu_weights,
-                               _write_experts, open_checkpoint)
+from convert.bundle_files import expert_block, write_cpu_weights, write_experts
+from convert.converter import ConvertOptions, build_stage, open_checkpoint
 from convert.stage_graphs import expert_graph
 from convert.w8a8_twin import quantize_twin
 from ling3_rknn.bundle import BundleWriter
@@ -207,7 +207,7 @@ for kind, name in a["kinds"].items():
         graph = expert_graph(name, gate_up, down, cfg, np.float32, data)
         samples = calib.expert_samples(1, e, opts.calibration_samples)
     else:
-        graph = _build_stage(w, name, np.float32, data)
+        graph = build_stage(w, name, np.float32, data)
         samples = calib.samples(name, graph.inputs, opts.calibration_samples)
     onnx.save(graph.model, str(src))
     onnx.checker.check_model(str(src))
@@ -221,10 +221,10 @@ for kind, name in a["kinds"].items():
     print(f"prepared {kind} ({name})", file=sys.stderr, flush=True)
 with BundleWriter(work / "pack") as writer:  # the converter's other per-layer work
     t0 = time.perf_counter()
-    _write_experts(writer, w, 1, opts.experts, _expert_block(cfg, opts.block_size))
+    write_experts(writer, w, 1, opts.experts, expert_block(cfg, opts.block_size))
     out["qmoe_layer_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _write_cpu_weights(writer, w)
+    write_cpu_weights(writer, w)
     out["cpu_weights_s"] = time.perf_counter() - t0
 print("REPORT " + json.dumps(out))
 """
@@ -270,19 +270,20 @@ def _save(path: Path | None, figures: dict) -> None:
 def full_model_kinds() -> tuple[list[str], Any]:
     """The stage kind of every dense stage of the real 24-layer model, in call order."""
     from convert.stage_graphs import stage_names
+    from ling3_rknn.bundle import StageName
     from ling3_rknn.config import ModelConfig
 
     cfg = ModelConfig.from_dict(dict(REAL, num_hidden_layers=FULL_LAYERS,
                                      num_local_experts=FULL_EXPERTS))
     kinds = []
     for name in stage_names(cfg):
-        if name == "final":
+        stage = StageName.parse(name)
+        if stage.layer is None:
             kinds.append("final")
             continue
-        _, i, role = name.split(".")
-        attn = cfg.layer_kinds[int(i)]
-        dense = role == "out" and int(i) < cfg.first_k_dense_replace
-        kinds.append("dense_out" if dense else f"{attn}_{role}")
+        attn = cfg.layer_kinds[stage.layer]
+        dense = stage.role == "out" and stage.layer < cfg.first_k_dense_replace
+        kinds.append("dense_out" if dense else f"{attn}_{stage.role}")
     return kinds, cfg
 
 
