@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from engine_doubles import ScriptedModel, answer_script
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ling3_rknn import chat
 from ling3_rknn.chat.segments import Segment
@@ -81,3 +83,64 @@ def test_history_text_refuses_what_the_template_cannot_reproduce():
     # no longer starts with the generation prompt, so there is no canonical form.
     assert chat.history_text("<think>x</think>y", thinking=False) is None
     assert chat.history_text("plain answer", thinking=False) == "plain answer"
+
+
+# -- the one-render form is the old two-render diff -------------------------------------
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                "required": ["path"],
+            },
+        },
+    }
+]
+_ANCHOR = [{"role": "user", "content": "."}]
+_PIECES = [
+    "<think>", "</think>", "\n", "\n\n", " ", "text", "東京", "<|role_end|>", "<tool_call>",
+    "read\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n</tool_call>",
+    "read\n<arg_key>limit</arg_key><arg_value>2</arg_value><arg_key>path</arg_key>"
+    "<arg_value>b</arg_value></tool_call>",
+    "nope</tool_call>", "<arg_key>", "</arg_value>",
+]
+
+
+def two_render_form(text: str, tools: object, thinking: bool) -> str | None:
+    """What the engine used before: parse the whole text again, build the client's
+    message and diff two renders of a one-message conversation."""
+    parsed = chat.parse_assistant(text, tools, thinking=thinking)
+    message = chat.assistant_message(parsed, ids=[f"c{i}" for i in range(len(parsed.tool_calls))])
+    try:
+        head = chat.render_text(_ANCHOR, enable_thinking=thinking, add_generation_prompt=True)
+        full = chat.render_text(
+            [*_ANCHOR, message], enable_thinking=thinking, add_generation_prompt=False
+        )
+    except chat.ChatFormatError:
+        return None
+    if not full.startswith(head) or not full.endswith("<|role_end|>"):
+        return None
+    return full[len(head) : -len("<|role_end|>")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(_PIECES), max_size=8),
+    cut=st.integers(0, 200),
+    thinking=st.booleans(),
+    with_tools=st.booleans(),
+)
+def test_streamed_history_form_equals_the_two_render_diff(pieces, cut, thinking, with_tools):
+    text = "".join(pieces)
+    tools = TOOLS if with_tools else None
+    parser = chat.StreamingParser(tools, thinking=thinking)
+    cut %= len(text) + 1
+    parser.feed(text[:cut])
+    parser.feed(text[cut:])
+    parser.finish()
+    assert parser.history_text() == two_render_form(text, tools, thinking)
+    assert chat.history_text(text, tools, thinking=thinking) == parser.history_text()
