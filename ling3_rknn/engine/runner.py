@@ -2,7 +2,10 @@
 
 Runs on the engine's single worker thread and knows nothing about asyncio: it reports
 events through a callback and polls a cancel flag between model calls (so a cancelled
-request stops within one decode token or one prefill chunk).
+request stops within one decode token or one prefill chunk). Decoded text goes through
+the request's parser on this thread (``parsed_turn``): the events reported are already
+reasoning, content and calls, and the finished turn is remembered by the form the parser
+derived from that one pass (docs/serving.md section 8).
 
 Snapshots are taken (a) at turn boundaries inside a long prompt (after the first turn,
 i.e. the system and tools header, and before the last turn), (b) at the end of every
