@@ -1,7 +1,7 @@
 """Routed experts with fp16 or fp32 weights in numpy (``--experts fp16`` bundles).
 
 The same SwiGLU as the model's dense FFN and :class:`~ling3_rknn.model.moe.NumpyExperts`
-(``stages.silu``), behind the executor signature of the QMoE kernel
+(``activations.silu``), behind the executor signature of the QMoE kernel
 (``ling3_rknn.npu.ExpertExecutor``), so a bundle's layers can use either.
 """
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from ..npu.errors import ExpertError
 from ..npu.experts import check_routing
-from .stages import silu
+from .activations import silu
 
 
 class FloatExperts:

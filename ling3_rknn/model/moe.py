@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .stages import sigmoid, swiglu
+from .activations import sigmoid, swiglu
 
 
 def route(
