@@ -6,24 +6,16 @@ it). Every graph takes and returns 3-D ``[1, T, width]`` tensors with a symbolic
 the ONNX twin serves any T and the ``.rknn`` is built with two static shape sets, T = 1
 for decode and T = chunk for prefill.
 
-Stage contract (the numpy stages give the same numbers; the runtime adapts in
-``ling3_rknn.model.bundle_stages``):
-
-* ``layer.<i>.in`` (KDA): ``x`` -> ``qkv``, ``forget_logit`` (safe gate, clipped to
-  ``FORGET_LOGIT_RANGE``; the CPU applies ``lb * sigmoid``) or ``log_decay``, ``beta``,
-  ``out_gate``;
-  (MLA): ``x`` -> ``q_latent``, ``q_rope``, ``latent``, ``k_rope``, ``gate``.
-* ``layer.<i>.out`` (KDA): ``x, core_normed, out_gate``; (MLA): ``x, ctx, gate`` ->
-  ``attn_delta`` plus ``ffn_delta`` (dense FFN layer) or ``moe_input``, ``shared``,
-  ``router_logits`` (MoE layer). The residual adds stay on the CPU in fp32: w8a8
-  quantizes activations per tensor, and the residual stream's outlier channels lose
-  precision when the sum itself is an NPU output (convert/README.md, finding 2).
-* ``final``: ``x`` -> ``logits``.
-* ``layer.<i>.expert.<e>``: ``x`` -> ``y``, one routed expert promoted by the plan.
+Every graph's inputs and outputs (names, widths, order) and the CPU work around it come
+from the stage contract, ``ling3_rknn.model.stage_contract``; the builders only say how
+the NPU computes them. The KDA forget logit is clipped to ``FORGET_LOGIT_RANGE`` (the
+contract says why); the residual adds stay on the CPU in fp32 (convert/README.md,
+finding 2).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +25,17 @@ import onnx
 from convert.onnx_ops import GraphBuilder
 from ling3_rknn.bundle import StageName
 from ling3_rknn.config import ModelConfig
+from ling3_rknn.model.stage_contract import (
+    FORGET_LOGIT_RANGE,
+    LATENT_NORM_EPS,
+    FfnKind,
+    StageContract,
+    expert_contract,
+    final_contract,
+    kda_input_contract,
+    mla_input_contract,
+    output_contract,
+)
 from ling3_rknn.model.stages import (
     DenseFfnWeights,
     FinalWeights,
@@ -42,13 +45,6 @@ from ling3_rknn.model.stages import (
 )
 
 T = "T"  # the symbolic token axis of every ONNX twin
-LATENT_NORM_EPS = 1e-6  # transformers' class default for q_a / kv_a norms (stages.py)
-# The safe-gate forget logit z = A (f + dt_bias) as a w8a8 output. Unclipped it spans
-# ~(-150, 18) on the tiny checkpoint (A and dt_bias differ per head): a 0.66 int8 step,
-# i.e. +-33 % error on every slow decay g = lb sigmoid(z) ~ lb e^z. The gate only moves
-# inside this range: at -16, |g| = 5.6e-7 per token (a decay of 0.98 after 32K tokens,
-# against 1.0), at 6, g is 99.75 % of lb. Clipped, the step is 0.086 (+-4.3 %).
-FORGET_LOGIT_RANGE = (-16.0, 6.0)
 # rknn-toolkit2 2.5.0 leaves the transposed copy of a MatMul wider than ~8192 output columns
 # on the board CPU (the 157184-wide lm_head: one CPU op per token); MatMuls of 8192 columns
 # (the remainder last) joined by one Concat compile with no CPU op (convert/README.md,
@@ -70,11 +66,17 @@ class StageGraph:
         return tuple(tuple((1, t, w) for w in self.input_widths) for t in sizes)
 
 
-def _finish(b: GraphBuilder, name: str, inputs: dict[str, int], outputs: dict[str, str]
+def _inputs(b: GraphBuilder, contract: StageContract) -> list[str]:
+    return [b.input(t.name, [1, T, t.width]) for t in contract.inputs]
+
+
+def _finish(b: GraphBuilder, name: str, contract: StageContract, outputs: Sequence[str]
             ) -> StageGraph:
-    for out_name, value in outputs.items():
-        b.output(value, out_name)
-    return StageGraph(name, b.build(), tuple(inputs), tuple(inputs.values()), tuple(outputs))
+    """Name ``outputs`` (values, in contract order) as the contract declares them."""
+    for t, value in zip(contract.outputs, outputs, strict=True):
+        b.output(value, t.name)
+    return StageGraph(name, b.build(), contract.input_names,
+                      tuple(t.width for t in contract.inputs), contract.output_names)
 
 
 def _rows(w: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -86,9 +88,10 @@ def kda_input_graph(name: str, w: KdaInputWeights, cfg: ModelConfig,
                     weight_dtype: type = np.float32, external: Path | None = None
                 ) -> StageGraph:
     h, d = cfg.num_attention_heads, cfg.kda_head_dim
-    p, dim = h * d, cfg.hidden_size
+    p = h * d
+    contract = kda_input_contract(cfg)
     b = GraphBuilder(name, weight_dtype, external)
-    x = b.input("x", [1, T, dim])
+    (x,) = _inputs(b, contract)
     u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
     qkv = b.linear(u, _rows(w.proj, 0, 3 * p), "qkv")
     f = b.linear(u, _rows(w.proj, 3 * p, 4 * p), "f")
@@ -99,26 +102,24 @@ def kda_input_graph(name: str, w: KdaInputWeights, cfg: ModelConfig,
         # The forget logit z = A (f + dt_bias) (one folded scale + shift), clipped to where
         # the gate still moves; the CPU applies g = lb * sigmoid(z)
         # (stages.safe_gate_log_decay and FORGET_LOGIT_RANGE say why).
-        decay_name = "forget_logit"
         z = b.scale_shift(f, "forget", scale=rate, shift=rate * w.dt_bias)
         lo, hi = (b.constant(f"forget.{k}", np.array(v, np.float32))
                   for k, v in zip(("min", "max"), FORGET_LOGIT_RANGE, strict=True))
         decay = b.node("Clip", [z, lo, hi])
     else:
-        decay_name = "log_decay"
         sp = b.node("Softplus", [b.scale_shift(f, "forget", shift=w.dt_bias)])
         decay = b.scale_shift(sp, "neg_rate", scale=-rate)
-    return _finish(b, name, {"x": dim},
-                   {"qkv": qkv, decay_name: decay, "beta": beta, "out_gate": g})
+    return _finish(b, name, contract, (qkv, decay, beta, g))
 
 
 def mla_input_graph(name: str, w: MlaInputWeights, cfg: ModelConfig,
                     weight_dtype: type = np.float32, external: Path | None = None
                 ) -> StageGraph:
     h, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    r, dim, dqk = cfg.kv_lora_rank, cfg.hidden_size, cfg.qk_head_dim
+    r, dqk = cfg.kv_lora_rank, cfg.qk_head_dim
+    contract = mla_input_contract(cfg)
     b = GraphBuilder(name, weight_dtype, external)
-    x = b.input("x", [1, T, dim])
+    (x,) = _inputs(b, contract)
     u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
     q_width = w.proj.shape[0] - r - dr - h
     if w.q_b is not None:
@@ -142,8 +143,7 @@ def mla_input_graph(name: str, w: MlaInputWeights, cfg: ModelConfig,
                        w.kv_a_norm, LATENT_NORM_EPS, "kv_a_norm")
     k_rope = b.linear(u, _rows(w.proj, q_width + r, q_width + r + dr), "k_rope")
     gate = b.sigmoid(b.linear(u, _rows(w.proj, q_width + r + dr, q_width + r + dr + h), "gate"))
-    return _finish(b, name, {"x": dim}, {"q_latent": q_latent, "q_rope": q_rope,
-                                         "latent": latent, "k_rope": k_rope, "gate": gate})
+    return _finish(b, name, contract, (q_latent, q_rope, latent, k_rope, gate))
 
 
 # --------------------------------------------------------------------------- output stages
@@ -152,26 +152,24 @@ def kda_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
                 ) -> StageGraph:
     """``core_normed`` is ``stages.kda_core_norm(core)``, done on the CPU (why: there); the
     graph applies o_norm's weight and the sigmoid gate, channel-wise over all heads."""
-    h, d, dim = cfg.num_attention_heads, cfg.kda_head_dim, cfg.hidden_size
+    h = cfg.num_attention_heads
+    contract = output_contract(cfg, "kda", _ffn_kind(w))
     b = GraphBuilder(name, weight_dtype, external)
-    x = b.input("x", [1, T, dim])
-    core = b.input("core_normed", [1, T, h * d])
-    gate = b.input("out_gate", [1, T, h * d])
+    x, core, gate = _inputs(b, contract)
     y = b.mul(core, b.sigmoid(gate))
     # o_norm's weight folded into o_proj's columns: (c * w) @ P.T == c @ (P * w).T
     folded = replace(w, o_proj=w.o_proj * np.tile(np.asarray(w.o_norm, np.float32), h)[None])
-    return _output_tail(b, name, {"x": dim, "core_normed": h * d, "out_gate": h * d},
-                        x, y, folded, cfg)
+    return _output_tail(b, name, contract, x, y, folded, cfg)
 
 
 def mla_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
                      weight_dtype: type = np.float32, external: Path | None = None
                 ) -> StageGraph:
-    h, r, dv, dim = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.v_head_dim, cfg.hidden_size
+    h, r, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.v_head_dim
+    contract = output_contract(cfg, "mla", _ffn_kind(w))
     b = GraphBuilder(name, weight_dtype, external)
-    x = b.input("x", [1, T, dim])
-    ctx = b.reshape(b.input("ctx", [1, T, h * r]), [0, 0, h, r], "ctx.shape")
-    gate = b.input("gate", [1, T, h])
+    x, ctx_in, gate = _inputs(b, contract)
+    ctx = b.reshape(ctx_in, [0, 0, h, r], "ctx.shape")
     heads = b.node("Transpose", [ctx], perm=[0, 2, 1, 3])  # [1, H, T, r]
     w_vb_t = np.ascontiguousarray(w.w_vb.transpose(0, 2, 1))  # [H, r, dv]
     values = b.node("Transpose", [b.node("MatMul", [heads, b.weight("w_vb", w_vb_t)])],
@@ -181,27 +179,33 @@ def mla_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
     # widths), a MatMul is not; exact in every precision (one 1 per column).
     spread = b.linear(gate, np.repeat(np.eye(h, dtype=np.float32), dv, axis=0), "gate_spread")
     y = b.mul(b.reshape(values, [0, 0, h * dv], "y.shape"), spread)
-    return _output_tail(b, name, {"x": dim, "ctx": h * r, "gate": h}, x, y, w, cfg)
+    return _output_tail(b, name, contract, x, y, w, cfg)
 
 
-def _output_tail(b: GraphBuilder, name: str, inputs: dict[str, int], x: str, y: str,
+def _ffn_kind(w: OutputWeights) -> FfnKind:
+    if isinstance(w.ffn, DenseFfnWeights):
+        return "dense"
+    return "moe" if w.ffn.shared_gate_up is None else "moe_shared"
+
+
+def _output_tail(b: GraphBuilder, name: str, contract: StageContract, x: str, y: str,
                  w: OutputWeights, cfg: ModelConfig) -> StageGraph:
     delta = b.linear(y, w.o_proj, "o_proj")
     u = b.rmsnorm(b.add(x, delta), w.post_norm, cfg.rms_norm_eps, "post_norm")
     if isinstance(w.ffn, DenseFfnWeights):
         inter = w.ffn.gate_up.shape[0] // 2
         ffn = b.swiglu_mlp(u, w.ffn.gate_up[:inter], w.ffn.gate_up[inter:], w.ffn.down, "mlp")
-        return _finish(b, name, inputs, {"attn_delta": delta, "ffn_delta": ffn})
-    outputs = {"attn_delta": delta, "moe_input": u}
+        return _finish(b, name, contract, (delta, ffn))
+    outputs = [delta, u]
     if w.ffn.shared_gate_up is not None:
         inter = w.ffn.shared_gate_up.shape[0] // 2
-        outputs["shared"] = b.swiglu_mlp(u, w.ffn.shared_gate_up[:inter],
+        outputs += [b.swiglu_mlp(u, w.ffn.shared_gate_up[:inter],
                                          w.ffn.shared_gate_up[inter:], w.ffn.shared_down,
-                                         "shared")
+                                         "shared")]
     # The router stays float32 in transformers; w8a8 builds quantize it like the rest, the
     # simulator tier measures what that costs.
-    outputs["router_logits"] = b.linear(u, w.ffn.router, "router")
-    return _finish(b, name, inputs, outputs)
+    outputs.append(b.linear(u, w.ffn.router, "router"))
+    return _finish(b, name, contract, outputs)
 
 
 # --------------------------------------------------------------------------- the rest
@@ -210,8 +214,9 @@ def final_graph(name: str, w: FinalWeights, cfg: ModelConfig,
                 piece: int = LM_HEAD_PIECE) -> StageGraph:
     """Final norm + lm_head, the head cut into ``piece``-column MatMuls joined by one
     Concat when the vocabulary is wider (``LM_HEAD_PIECE`` says why)."""
+    contract = final_contract(cfg)
     b = GraphBuilder(name, weight_dtype, external)
-    x = b.input("x", [1, T, cfg.hidden_size])
+    (x,) = _inputs(b, contract)
     u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
     vocab = w.lm_head.shape[0]
     if vocab <= piece:
@@ -220,18 +225,19 @@ def final_graph(name: str, w: FinalWeights, cfg: ModelConfig,
         parts = [b.linear(u, w.lm_head[start:start + piece], f"lm_head.{n}")
                  for n, start in enumerate(range(0, vocab, piece))]
         logits = b.node("Concat", parts, "lm_head_concat", axis=-1)
-    return _finish(b, name, {"x": cfg.hidden_size}, {"logits": logits})
+    return _finish(b, name, contract, (logits,))
 
 
 def expert_graph(name: str, gate_up: np.ndarray, down: np.ndarray, cfg: ModelConfig,
                  weight_dtype: type = np.float32, external: Path | None = None
                 ) -> StageGraph:
     """One routed expert for the NPU (``--npu-budget``): ``y = swiglu(x)``."""
+    contract = expert_contract(cfg)
     b = GraphBuilder(name, weight_dtype, external)
-    x = b.input("x", [1, T, cfg.hidden_size])
+    (x,) = _inputs(b, contract)
     inter = gate_up.shape[0] // 2
     y = b.swiglu_mlp(x, gate_up[:inter], gate_up[inter:], down, "expert")
-    return _finish(b, name, {"x": cfg.hidden_size}, {"y": y})
+    return _finish(b, name, contract, (y,))
 
 
 def stage_names(cfg: ModelConfig) -> list[str]:

@@ -4,8 +4,9 @@
 the board or its ONNX-twin mock on the host, or plain onnxruntime). Graphs have static
 shapes (T = 1 and T = chunk), so a batch of T tokens is cut into chunks and the last
 piece zero-padded (every stage is row-wise, padded rows are dropped); a single token
-takes the decode shape. Stage graphs return *deltas*; the residual adds are done here in
-float32 (convert/stage_graphs.py explains why).
+takes the decode shape. Each graph's inputs and outputs are checked against the stage
+contract (``stage_contract.py``) once, when the stages are built; afterwards outputs are
+read by position and finished by the contract's CPU half (safe gate, residual adds).
 
 ``BundleExperts`` implements ``ExpertBackend``: the layer's CPU executor (QMoE int4/int8
 or float) for every selected expert, except those the placement plan put on the NPU,
@@ -18,11 +19,20 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..bundle import EMBEDDING_KEY, StageName
+from ..bundle import EMBEDDING_KEY, BundleError, StageName
 from ..config import ModelConfig
 from ..npu import ExpertExecutor, GraphExecutor
 from .safetensors_file import SafetensorsFile
-from .stages import KdaInputs, LayerOutput, MlaInputs, kda_core_norm, safe_gate_log_decay
+from .stage_contract import (
+    KdaInputs,
+    LayerOutput,
+    MlaInputs,
+    finish_kda_input,
+    finish_mla_input,
+    finish_output,
+    kda_core_norm,
+    stage_contract,
+)
 
 
 class GraphStages:
@@ -31,6 +41,8 @@ class GraphStages:
     def __init__(self, config: ModelConfig, executors: Mapping[str, GraphExecutor],
                  weights: SafetensorsFile, chunk: int) -> None:
         self._cfg = config
+        for name, ex in executors.items():
+            check_contract(config, name, ex)
         self._ex = dict(executors)
         self._w = weights
         self._chunk = chunk
@@ -44,11 +56,13 @@ class GraphStages:
         if unknown:
             raise KeyError(f"no such stages: {unknown}")
         for name, ex in executors.items():
+            check_contract(self._cfg, name, ex)
+        for name, ex in executors.items():
             self._ex[name].close()
             self._ex[name] = ex
 
-    def run(self, name: str, *inputs: np.ndarray) -> dict[str, np.ndarray]:
-        """Inputs ``[T, width]`` -> outputs ``[T, width]`` by output name."""
+    def run(self, name: str, *inputs: np.ndarray) -> list[np.ndarray]:
+        """Inputs ``[T, width]`` -> outputs ``[T, width]``, in the contract's order."""
         ex = self._ex[name]
         t = inputs[0].shape[0]
         if t == 1:
@@ -57,10 +71,10 @@ class GraphStages:
         for start in range(0, t, self._chunk):
             part = [x[start:start + self._chunk] for x in inputs]
             pieces.append(self._call(ex, part, self._chunk))
-        return {k: np.concatenate([p[k] for p in pieces])[:t] for k in pieces[0]}
+        return [np.concatenate(parts)[:t] for parts in zip(*pieces, strict=True)]
 
     def _call(self, ex: GraphExecutor, inputs: list[np.ndarray] | tuple[np.ndarray, ...],
-              width: int) -> dict[str, np.ndarray]:
+              width: int) -> list[np.ndarray]:
         n = inputs[0].shape[0]
         feeds = []
         for x in inputs:
@@ -70,7 +84,7 @@ class GraphStages:
             feeds.append(x[None])
         self.calls += 1
         outs = ex.run(*feeds)
-        return {name: o[0, :n] for name, o in zip(ex.spec.outputs, outs, strict=True)}
+        return [o[0, :n] for o in outs]
 
     # ------------------------------------------------------------------ StageBackend
     def embed(self, ids: np.ndarray) -> np.ndarray:
@@ -78,46 +92,44 @@ class GraphStages:
 
     def kda_input(self, layer: int, x: np.ndarray) -> KdaInputs:
         c = self._cfg
-        o = self.run(str(StageName.layer_in(layer)), x)
-        shape = (x.shape[0], c.num_attention_heads, c.kda_head_dim)
-        decay = (safe_gate_log_decay(o["forget_logit"], c.kda_lower_bound)
-                 if "forget_logit" in o else o["log_decay"])
-        return KdaInputs(qkv=o["qkv"], log_decay=decay.reshape(shape),
-                         beta=o["beta"], out_gate=o["out_gate"].reshape(shape))
+        return finish_kda_input(self.run(str(StageName.layer_in(layer)), x),
+                                num_heads=c.num_attention_heads, head_dim=c.kda_head_dim,
+                                safe_gate=c.kda_safe_gate, lower_bound=c.kda_lower_bound)
 
     def mla_input(self, layer: int, x: np.ndarray) -> MlaInputs:
-        c = self._cfg
-        o = self.run(str(StageName.layer_in(layer)), x)
-        t, h = x.shape[0], c.num_attention_heads
-        return MlaInputs(q_latent=o["q_latent"].reshape(t, h, c.kv_lora_rank),
-                         q_rope=o["q_rope"].reshape(t, h, c.qk_rope_head_dim),
-                         latent=o["latent"], k_rope=o["k_rope"], gate=o["gate"])
+        return finish_mla_input(self.run(str(StageName.layer_in(layer)), x),
+                                num_heads=self._cfg.num_attention_heads)
 
     def kda_output(self, layer: int, x: np.ndarray, core: np.ndarray, out_gate: np.ndarray
                    ) -> LayerOutput:
         t = x.shape[0]
-        normed = kda_core_norm(core, self._cfg.rms_norm_eps)  # the graph's contract
-        o = self.run(str(StageName.layer_out(layer)), x, normed.reshape(t, -1),
-                     out_gate.reshape(t, -1))
-        return self._layer_output(x, o)
+        normed = kda_core_norm(core, self._cfg.rms_norm_eps)  # the contract's CPU half
+        return finish_output(x, self.run(str(StageName.layer_out(layer)), x,
+                                         normed.reshape(t, -1), out_gate.reshape(t, -1)))
 
     def mla_output(self, layer: int, x: np.ndarray, ctx: np.ndarray, gate: np.ndarray
                    ) -> LayerOutput:
-        o = self.run(str(StageName.layer_out(layer)), x, ctx.reshape(x.shape[0], -1), gate)
-        return self._layer_output(x, o)
-
-    @staticmethod
-    def _layer_output(x: np.ndarray, o: dict[str, np.ndarray]) -> LayerOutput:
-        hidden = x + o["attn_delta"]  # the residual add, in float32 on the CPU
-        if "ffn_delta" in o:
-            return LayerOutput(hidden=hidden + o["ffn_delta"])
-        shared = o.get("shared")
-        return LayerOutput(hidden=hidden, moe_input=o["moe_input"],
-                           shared=np.zeros_like(hidden) if shared is None else shared,
-                           router_logits=o["router_logits"])
+        return finish_output(x, self.run(str(StageName.layer_out(layer)), x,
+                                         ctx.reshape(x.shape[0], -1), gate))
 
     def final(self, x: np.ndarray) -> np.ndarray:
-        return self.run(str(StageName.final()), x)["logits"]
+        (logits,) = self.run(str(StageName.final()), x)
+        return logits
+
+
+def check_contract(config: ModelConfig, name: str, ex: GraphExecutor) -> None:
+    """A graph whose inputs or outputs are not the contract's (by name, in order) cannot
+    be read by position: a BundleError at load, never a wrong tensor later."""
+    try:
+        contract = stage_contract(config, StageName.parse(name))
+    except ValueError as exc:
+        raise BundleError(f"stage {name!r}: {exc}") from None
+    spec = ex.spec
+    if (tuple(spec.inputs), tuple(spec.outputs)) != (contract.input_names,
+                                                     contract.output_names):
+        raise BundleError(f"stage {name!r} has inputs {list(spec.inputs)} / outputs "
+                          f"{list(spec.outputs)}; the stage contract says "
+                          f"{list(contract.input_names)} / {list(contract.output_names)}")
 
 
 class BundleExperts:
@@ -144,6 +156,6 @@ class BundleExperts:
             out = self._cpu[layer].run(x, ids, np.where(on_npu, np.float32(0), weights))
         for e in np.unique(ids[on_npu]).tolist():
             tok, slot = np.nonzero(ids == e)
-            y = self._stages.run(str(StageName.npu_expert(layer, e)), x[tok])["y"]
+            (y,) = self._stages.run(str(StageName.npu_expert(layer, e)), x[tok])
             out[tok] += weights[tok, slot][:, None] * y
         return out

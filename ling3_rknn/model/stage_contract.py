@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -136,19 +137,28 @@ def mla_input_contract(cfg: ModelConfig) -> StageContract:
                           Tensor("latent", r), Tensor("k_rope", dr), Tensor("gate", h)))
 
 
-def output_contract(cfg: ModelConfig, layer: int) -> StageContract:
+FfnKind = Literal["dense", "moe", "moe_shared"]  # the FFN half of an output stage
+
+
+def ffn_kind(cfg: ModelConfig, layer: int) -> FfnKind:
+    if not cfg.is_moe_layer(layer):
+        return "dense"
+    return "moe_shared" if cfg.shared_intermediate_size else "moe"
+
+
+def output_contract(cfg: ModelConfig, attention: str, ffn: FfnKind) -> StageContract:
     """KDA ``x, core_normed, out_gate`` / MLA ``x, ctx, gate`` -> ``attn_delta`` plus
     ``ffn_delta`` (dense-FFN layer) or ``moe_input``, ``shared`` (with shared experts)
     and ``router_logits`` (MoE layer)."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
-    if cfg.layer_kinds[layer] == "kda":
+    if attention == "kda":
         p = h * cfg.kda_head_dim
         inputs = (Tensor("x", d), Tensor("core_normed", p), Tensor("out_gate", p))
     else:
         inputs = (Tensor("x", d), Tensor("ctx", h * cfg.kv_lora_rank), Tensor("gate", h))
-    if not cfg.is_moe_layer(layer):
+    if ffn == "dense":
         return StageContract(inputs, (Tensor("attn_delta", d), Tensor("ffn_delta", d)))
-    shared = (Tensor("shared", d),) if cfg.shared_intermediate_size else ()
+    shared = (Tensor("shared", d),) if ffn == "moe_shared" else ()
     return StageContract(inputs, (Tensor("attn_delta", d), Tensor("moe_input", d), *shared,
                                   Tensor("router_logits", cfg.num_experts)))
 
@@ -170,7 +180,7 @@ def stage_contract(cfg: ModelConfig, name: StageName) -> StageContract:
         return expert_contract(cfg)
     assert name.layer is not None
     if name.role == "out":
-        return output_contract(cfg, name.layer)
+        return output_contract(cfg, cfg.layer_kinds[name.layer], ffn_kind(cfg, name.layer))
     kda = cfg.layer_kinds[name.layer] == "kda"
     return kda_input_contract(cfg) if kda else mla_input_contract(cfg)
 
