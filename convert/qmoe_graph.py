@@ -1,6 +1,6 @@
 """ONNX graph of one MoE layer's routed experts: a single ``com.microsoft::QMoE`` node.
 
-The attributes are the set cpu-experts.md found to work on onnxruntime 1.32's CPU
+The attributes are the set found to work (docs/bundle-format.md 2.6) on onnxruntime 1.32's CPU
 kernel: SwiGLU with interleaved gate/up (``swiglu_fusion=1``), alpha 1 / beta 0 for a
 plain ``silu(g) * u``, symmetric weights (no zero points), routing computed by the caller
 and passed as ``router_weights`` (input 14) with a selection mask as ``router_probs``.

@@ -14,7 +14,7 @@ every output, with the converter's defaults (all int8, no auto-hybrid; auto-hybr
 tokens (the 512 rows a default conversion records) drawn over all prompts, half of them
 prompt openings (convert/calibration.py), the KDA ``core`` normalised per head on the
 CPU (``stages.kda_core_norm``) and the forget logit clipped to where the gate moves
-(``stage_graphs.FORGET_LOGIT_RANGE``); convert/README.md has the figures before and after
+(``model.stage_contract.FORGET_LOGIT_RANGE``); convert/README.md has the figures before and after
 each. ``log_decay`` is compared after the CPU half of the gate, the value the recurrence
 uses. Ops the compiler leaves on the
 board CPU are recorded, not failed: the tiny model's outputs narrower than 8 channels

@@ -179,7 +179,7 @@ def test_stage_in_simulator(tmp_path, case_name, quant):
         x[..., outliers] *= 4
         return x
 
-    # calibration must use the largest shape (rknn-toolchain.md 2.1)
+    # calibration must use the largest shape (docs/toolchain.md 3)
     calib = {n: hidden(8, CHUNK) for n in case.inputs}
     groups = [{n: hidden(3, t) for n in case.inputs} for t in (1, CHUNK)]
     out = tmp_path / f"{case.name}.{quant}.rknn"
@@ -218,7 +218,7 @@ def test_stage_in_simulator(tmp_path, case_name, quant):
 
 
 def test_cpu_fallback_ops_are_reported(tmp_path):
-    """Exp has no NPU kernel on rk3588 (rknn-toolchain.md 2.5): the placement table shows it."""
+    """Exp has no NPU kernel on rk3588 (docs/toolchain.md 4): the placement table shows it."""
     b = GraphBuilder("exp")
     x = b.input("x", [1, 1, 64])
     e = b._node("Exp", [x], "exp")

@@ -4,7 +4,7 @@ The recurrent state of one layer is S [H, d_k, d_v] (rows = key channels), float
 a ``RecurrentState`` and updated in place. Two algebraically identical forms:
 ``kda_recurrent`` (one token at a time; the decode hot path) and ``kda_chunked`` (chunks of
 64 tokens with a triangular solve per chunk; faster for prefill). ``kda_core`` picks one.
-See ling3-model.md section 3.3.
+See docs/model.md section 4.
 """
 
 from __future__ import annotations

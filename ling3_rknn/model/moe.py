@@ -1,6 +1,6 @@
 """MoE glue on the CPU: group-limited sigmoid routing and the routed-expert seam.
 
-Routing (ling3-model.md 3.5): scores = sigmoid(router logits) in float32; the expert bias
+Routing (docs/model.md 6.1-6.2): scores = sigmoid(router logits) in float32; the expert bias
 only steers *selection*; keep the ``topk_group`` groups whose two best biased scores sum
 highest; pick the top-k biased scores inside them; weight by the *unbiased* scores,
 renormalised (``norm_topk_prob``) and multiplied by ``routed_scaling_factor``.

@@ -11,7 +11,7 @@ here. Three users keep to it:
 * the bundle stages (``model/bundle_stages.py``) check each graph's declared names
   against the contract once, at load, and then read outputs by position.
 
-What the CPU does around the graphs (docs/model.md, "The stage split"):
+What the CPU does around the graphs (docs/model.md 7):
 
 * before a KDA output stage: the scale-free half of o_norm (``stages.kda_core_norm``);
 * after a KDA input stage: the safe gate ``g = lb * sigmoid(forget_logit)``

@@ -7,8 +7,8 @@ renormalisation, scaling) is done by the model in numpy before the call.
 * :class:`QMoeExperts` - the default: int4/int8 block-quantized weights run by
   onnxruntime's ``com.microsoft::QMoE`` op, one graph per MoE layer (written by the
   converter; weights live in the bundle's safetensors). The kernel reads packed weights
-  directly, so no int4 is ever unpacked in Python (docs/performance.md: 15x faster than
-  numpy).
+  directly, so no int4 is ever unpacked in Python (docs/performance.md, "Routed experts
+  on the CPU": 15x faster than numpy at prefill).
 
 The numpy float executor for ``--experts fp16`` bundles is model code
 (``ling3_rknn.model.float_experts``): it is the model's own SwiGLU.
@@ -171,7 +171,7 @@ class QMoeExperts:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
         # Spinning threads steal the other cores from the NPU driver and from each other
-        # when many sessions share few cores (docs/performance.md: 2.5-22x slower with it on).
+        # when many sessions share few cores (docs/performance.md, the thread policy).
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         source = os.fspath(model) if not isinstance(model, bytes) else model
