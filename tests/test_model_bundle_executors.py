@@ -158,3 +158,33 @@ def test_corrupt_expert_weights_are_caught_before_use(tmp_path, weights):
     path.write_bytes(bytes(data))
     with pytest.raises(FileCorruptError, match=r"layer\.1\.safetensors"):
         Bundle.open(root, verify="full")
+
+
+def test_a_graph_off_the_stage_contract_is_refused_at_load():
+    """Outputs are read by position, so a graph whose names differ from the stage
+    contract (``model/stage_contract.py``) is a BundleError when the stages are built."""
+    from types import SimpleNamespace
+
+    from conftest import ORACLE_DIR
+
+    from ling3_rknn.bundle import BundleError, StageName
+    from ling3_rknn.config import ModelConfig
+    from ling3_rknn.model.bundle_stages import check_contract
+    from ling3_rknn.model.stage_contract import stage_contract
+
+    cfg = ModelConfig.from_file(ORACLE_DIR / "lora_hfsave" / "config.json")
+    for name in ("layer.0.in", "layer.0.out", "layer.1.out", "final"):
+        contract = stage_contract(cfg, StageName.parse(name))
+        ok = SimpleNamespace(spec=SimpleNamespace(inputs=contract.input_names,
+                                                  outputs=contract.output_names))
+        check_contract(cfg, name, ok)
+        names = contract.output_names
+        for outputs in (names[::-1], (*names[:-1], "renamed")):
+            if outputs == names:
+                continue
+            off = SimpleNamespace(spec=SimpleNamespace(inputs=contract.input_names,
+                                                       outputs=outputs))
+            with pytest.raises(BundleError, match="stage contract"):
+                check_contract(cfg, name, off)
+    with pytest.raises(BundleError, match="not a stage name"):
+        check_contract(cfg, "layer0.in", ok)
