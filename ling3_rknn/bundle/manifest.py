@@ -24,6 +24,8 @@ from .json_reader import JsonReader, check_relpath, shape_sets_of
 
 @dataclass(frozen=True)
 class FileEntry:
+    """A file the bundle holds: checked against these on every open."""
+
     size: int
     sha256: str
 

@@ -22,17 +22,9 @@ import numpy as np
 from ..bundle import EMBEDDING_KEY, BundleError, StageName
 from ..config import ModelConfig
 from ..npu import ExpertExecutor, GraphExecutor
+from . import stage_contract as contract
 from .safetensors_file import SafetensorsFile
-from .stage_contract import (
-    KdaInputs,
-    LayerOutput,
-    MlaInputs,
-    finish_kda_input,
-    finish_mla_input,
-    finish_output,
-    kda_core_norm,
-    stage_contract,
-)
+from .stage_contract import KdaInputs, LayerOutput, MlaInputs
 
 
 class GraphStages:
@@ -92,25 +84,28 @@ class GraphStages:
 
     def kda_input(self, layer: int, x: np.ndarray) -> KdaInputs:
         c = self._cfg
-        return finish_kda_input(self.run(str(StageName.layer_in(layer)), x),
-                                num_heads=c.num_attention_heads, head_dim=c.kda_head_dim,
-                                safe_gate=c.kda_safe_gate, lower_bound=c.kda_lower_bound)
+        outputs = self.run(str(StageName.layer_in(layer)), x)
+        return contract.finish_kda_input(
+            outputs, num_heads=c.num_attention_heads, head_dim=c.kda_head_dim,
+            safe_gate=c.kda_safe_gate, lower_bound=c.kda_lower_bound)
 
     def mla_input(self, layer: int, x: np.ndarray) -> MlaInputs:
-        return finish_mla_input(self.run(str(StageName.layer_in(layer)), x),
-                                num_heads=self._cfg.num_attention_heads)
+        outputs = self.run(str(StageName.layer_in(layer)), x)
+        return contract.finish_mla_input(outputs, num_heads=self._cfg.num_attention_heads)
 
     def kda_output(self, layer: int, x: np.ndarray, core: np.ndarray, out_gate: np.ndarray
                    ) -> LayerOutput:
         t = x.shape[0]
-        normed = kda_core_norm(core, self._cfg.rms_norm_eps)  # the contract's CPU half
-        return finish_output(x, self.run(str(StageName.layer_out(layer)), x,
-                                         normed.reshape(t, -1), out_gate.reshape(t, -1)))
+        normed = contract.kda_core_norm(core, self._cfg.rms_norm_eps)  # CPU half
+        outputs = self.run(str(StageName.layer_out(layer)), x, normed.reshape(t, -1),
+                           out_gate.reshape(t, -1))
+        return contract.finish_output(x, outputs)
 
     def mla_output(self, layer: int, x: np.ndarray, ctx: np.ndarray, gate: np.ndarray
                    ) -> LayerOutput:
-        return finish_output(x, self.run(str(StageName.layer_out(layer)), x,
-                                         ctx.reshape(x.shape[0], -1), gate))
+        outputs = self.run(str(StageName.layer_out(layer)), x, ctx.reshape(x.shape[0], -1),
+                           gate)
+        return contract.finish_output(x, outputs)
 
     def final(self, x: np.ndarray) -> np.ndarray:
         (logits,) = self.run(str(StageName.final()), x)
@@ -121,15 +116,15 @@ def check_contract(config: ModelConfig, name: str, ex: GraphExecutor) -> None:
     """A graph whose inputs or outputs are not the contract's (by name, in order) cannot
     be read by position: a BundleError at load, never a wrong tensor later."""
     try:
-        contract = stage_contract(config, StageName.parse(name))
+        expected = contract.stage_contract(config, StageName.parse(name))
     except ValueError as exc:
         raise BundleError(f"stage {name!r}: {exc}") from None
     spec = ex.spec
-    if (tuple(spec.inputs), tuple(spec.outputs)) != (contract.input_names,
-                                                     contract.output_names):
+    if (tuple(spec.inputs), tuple(spec.outputs)) != (expected.input_names,
+                                                     expected.output_names):
         raise BundleError(f"stage {name!r} has inputs {list(spec.inputs)} / outputs "
                           f"{list(spec.outputs)}; the stage contract says "
-                          f"{list(contract.input_names)} / {list(contract.output_names)}")
+                          f"{list(expected.input_names)} / {list(expected.output_names)}")
 
 
 class BundleExperts:

@@ -34,25 +34,21 @@ class FloatExperts:
         if not 1 <= top_k <= e:
             raise ExpertError(f"top_k {top_k} out of range for {e} experts")
         self._gate, self._up, self._down = gate, up, down
-        self._top_k = top_k
+        self.top_k = top_k  # read-only by convention (``ExpertExecutor.top_k``)
 
     @property
     def num_experts(self) -> int:
         return int(self._gate.shape[0])
 
-    @property
-    def top_k(self) -> int:
-        return self._top_k
-
     def run(
         self, hidden: np.ndarray, expert_ids: np.ndarray, expert_weights: np.ndarray
     ) -> np.ndarray:
         d = self._gate.shape[2]
-        check_routing(hidden, expert_ids, expert_weights, d, self.num_experts, self._top_k)
+        check_routing(hidden, expert_ids, expert_weights, d, self.num_experts, self.top_k)
         x = hidden.astype(np.float32, copy=False)
         out = np.zeros_like(x)
         flat_ids = expert_ids.reshape(-1)
-        token_of = np.repeat(np.arange(x.shape[0]), self._top_k)
+        token_of = np.repeat(np.arange(x.shape[0]), self.top_k)
         flat_w = expert_weights.reshape(-1).astype(np.float32)
         # weight-0 selections add nothing (the plan's NPU experts arrive that way): skip
         keep = flat_w != 0

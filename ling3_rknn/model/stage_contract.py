@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -96,8 +96,7 @@ def kda_core_norm(core: np.ndarray, eps: float) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- graph signatures
-@dataclass(frozen=True)
-class Tensor:
+class Tensor(NamedTuple):
     """One stage input or output: ``[1, T, width]`` float32."""
 
     name: str
