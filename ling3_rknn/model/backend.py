@@ -90,32 +90,19 @@ class NumpyStages:
         return self._w.embedding_rows(ids)
 
     def kda_input(self, layer: int, x: np.ndarray) -> KdaInputs:
-        c = self._cfg
-        w = self._input_weights(layer, "kda")
-        assert isinstance(w, KdaInputWeights)
-        return kda_input_stage(
-            x,
-            w,
-            num_heads=c.num_attention_heads,
-            head_dim=c.kda_head_dim,
-            eps=c.rms_norm_eps,
-            safe_gate=c.kda_safe_gate,
-            lower_bound=c.kda_lower_bound,
-        )
+        w, c = self._input_weights(layer, "kda"), self._cfg
+        assert isinstance(w, KdaInputWeights)  # the layer kind decides the weights' type
+        return kda_input_stage(x, w, eps=c.rms_norm_eps, num_heads=c.num_attention_heads,
+                               head_dim=c.kda_head_dim, safe_gate=c.kda_safe_gate,
+                               lower_bound=c.kda_lower_bound)
 
     def mla_input(self, layer: int, x: np.ndarray) -> MlaInputs:
-        c = self._cfg
         w = self._input_weights(layer, "mla")
         assert isinstance(w, MlaInputWeights)
-        return mla_input_stage(
-            x,
-            w,
-            num_heads=c.num_attention_heads,
-            qk_head_dim=c.qk_head_dim,
-            kv_lora_rank=c.kv_lora_rank,
-            rope_dim=c.qk_rope_head_dim,
-            eps=c.rms_norm_eps,
-        )
+        c = self._cfg
+        return mla_input_stage(x, w, eps=c.rms_norm_eps, num_heads=c.num_attention_heads,
+                               qk_head_dim=c.qk_head_dim, kv_lora_rank=c.kv_lora_rank,
+                               rope_dim=c.qk_rope_head_dim)
 
     def kda_output(
         self, layer: int, x: np.ndarray, core: np.ndarray, out_gate: np.ndarray

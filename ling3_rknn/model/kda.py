@@ -184,14 +184,8 @@ class RecurrentState:
         return out
 
 
-def kda_recurrent(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    log_decay: np.ndarray,
-    beta: np.ndarray,
-    state: RecurrentState,
-) -> np.ndarray:
+def kda_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.ndarray,
+                  beta: np.ndarray, state: RecurrentState) -> np.ndarray:
     """Per-token delta rule, updating ``state`` in place. Returns [T, H, d_v].
 
     decay S <- diag(a) S; predict e = S^T k; correct S += k (beta (v - e))^T; read S^T q.

@@ -47,15 +47,8 @@ def route(
     return ids.astype(np.int64), (weights * np.float32(scaling)).astype(np.float32)
 
 
-def _route_one(
-    logits: np.ndarray,
-    expert_bias: np.ndarray,
-    n_group: int,
-    topk_group: int,
-    top_k: int,
-    normalize: bool,
-    scaling: float,
-) -> tuple[np.ndarray, np.ndarray]:
+def _route_one(logits: np.ndarray, expert_bias: np.ndarray, n_group: int, topk_group: int,
+               top_k: int, normalize: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
     """``route`` for one token (decode): the same selection on 1-D arrays.
 
     At E = 128 every numpy call costs more than its arithmetic, and a decode step routes
