@@ -188,3 +188,12 @@ def test_a_graph_off_the_stage_contract_is_refused_at_load():
                 check_contract(cfg, name, off)
     with pytest.raises(BundleError, match="not a stage name"):
         check_contract(cfg, "layer0.in", ok)
+
+
+def test_the_plan_names_exactly_the_runtime_core_masks():
+    """The manifest's core-mask names (bundle format) and the masks the executors accept
+    (npu) are spelled in two sibling packages; the model joins them, so they must agree."""
+    from ling3_rknn.bundle import CORE_MASK_NAMES
+    from ling3_rknn.npu import CORE_MASKS
+
+    assert tuple(CORE_MASKS) == CORE_MASK_NAMES

@@ -27,6 +27,8 @@ TARGETS = ("rk3588", "cpu")
 STAGE_QUANTS = {"rk3588": NPU_QUANT_TYPES, "cpu": CPU_QUANT_TYPES}
 EXPERT_FORMATS = ("int4", "int8", "fp16")
 QMOE_FORMATS = ("int4", "int8")  # expert formats run by onnxruntime's QMoE kernel
+# The placement plan's core masks: the names ``ling3_rknn.npu.CORE_MASKS`` maps to RKNNLite's
+# NPU_CORE_* values (npu and bundle never import each other; a test holds the two equal).
 CORE_MASK_NAMES = ("auto", "0", "1", "2", "0_1", "0_1_2", "all")
 # The first bytes of the stand-in ``.rknn`` a conversion without rknn-toolkit2 writes
 # (``--no-rknn-build``): only the RKNNLite mock, which runs the ONNX twin, may load it.
