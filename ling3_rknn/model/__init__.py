@@ -2,23 +2,28 @@
 
 Three layers of code, so the NPU work can be swapped in without touching the CPU glue:
 
-1. ``stages.py``: pure numpy *stage* functions taking their weights explicitly. Per layer an
-   input stage (RMSNorm + attention input projections; for MLA also the q_a norm, the latent
-   norm and the head gate) and an output stage (output projection + residual + post-attention
+1. ``stage_contract.py``: every stage's inputs and outputs and the CPU work around it,
+   declared once. ``stages.py``: the stages as pure numpy functions taking their weights
+   explicitly, the references the converter's ONNX graphs are tested against. Per layer
+   an input stage (RMSNorm + attention input projections; for MLA also the q_a norm, the
+   latent norm and the head gate) and an output stage (output projection + post-attention
    RMSNorm + the dense FFN, or the shared expert + router logits); plus the final norm +
-   lm_head. They are the references the converter's ONNX graphs are tested against.
+   lm_head.
 2. CPU glue, which stays on the CPU on the board: ``kda.py`` (short conv + delta-rule
    recurrence, per-token and chunked), ``mla.py`` (RoPE + absorbed attention over the
    latent cache), ``moe.py`` (group-limited routing), ``state.py`` (per-sequence state and
    block-shared snapshots).
 3. ``model.py``: the forward loop. It calls the stages through the ``StageBackend`` seam
-   (``backend.py``; ``NumpyStages`` built from a checkpoint here, an RKNN / onnxruntime
-   executor from a bundle later) and the routed experts through the ``ExpertBackend`` seam
-   (``moe.py``; ``NumpyExperts`` here, the int4 QMoE executor later).
+   (``backend.py``: ``NumpyStages`` from a checkpoint; ``bundle_stages.GraphStages``, one
+   NPU / onnxruntime graph per stage, from a bundle) and the routed experts through the
+   ``ExpertBackend`` seam (``moe.NumpyExperts``; ``bundle_stages.BundleExperts`` over the
+   QMoE or ``float_experts`` kernels). ``Model.from_bundle`` gets its pieces from
+   ``bundle_loader.py``, which opens the executors through ``bundle_executors.py``.
 
 Public API::
 
     m = Model.from_hf(hf_dir)            # config.json + *.safetensors; lazy loading
+    m = Model.from_bundle(bundle_dir)    # a converted bundle (or an opened ``Bundle``)
     s = m.new_state()
     logits = m.forward(token_ids, s)     # float32 [len(token_ids), vocab]; advances s
     snap = s.snapshot(); s.restore(snap)
