@@ -260,3 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_convert(args)
     return serve(args)
+
+
+if __name__ == "__main__":  # `python -m ling3_rknn.cli` (the end-to-end tests run it so)
+    sys.exit(main())
