@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,15 @@ class NormalMessage:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
+def _objects(items: list, where: str, hint: str = "") -> Iterator[tuple[str, dict]]:
+    """(``where[i]``, item) for a list that must hold JSON objects only."""
+    for i, item in enumerate(items):
+        item_where = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ChatFormatError(f"{item_where} must be an object{hint}")
+        yield item_where, item
+
+
 def _content(msg: dict, where: str, role: str) -> str:
     content = msg.get("content")
     if content is None:
@@ -61,10 +71,7 @@ def _content(msg: dict, where: str, role: str) -> str:
         raise ChatFormatError(f"{where}.content must be a string, null or a list of text parts")
     texts = []
     allowed = {"text", "refusal"} if role == "assistant" else {"text"}
-    for j, part in enumerate(content):
-        pwhere = f"{where}.content[{j}]"
-        if not isinstance(part, dict):
-            raise ChatFormatError(f"{pwhere} must be an object with a 'type'")
+    for pwhere, part in _objects(content, f"{where}.content", " with a 'type'"):
         kind = part.get("type")
         if kind not in allowed:
             raise ChatFormatError(
@@ -100,10 +107,7 @@ def _tool_calls(msg: dict, where: str) -> list[ToolCall]:
     if not isinstance(calls, list):
         raise ChatFormatError(f"{where}.tool_calls must be a list")
     out = []
-    for j, call in enumerate(calls):
-        cwhere = f"{where}.tool_calls[{j}]"
-        if not isinstance(call, dict):
-            raise ChatFormatError(f"{cwhere} must be an object")
+    for cwhere, call in _objects(calls, f"{where}.tool_calls"):
         fn = call.get("function") or call  # the template also accepts a bare {name, arguments}
         if not isinstance(fn, dict):
             raise ChatFormatError(f"{cwhere}.function must be an object")
@@ -120,10 +124,7 @@ def normalize_messages(messages: Any) -> list[NormalMessage]:
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list")
     out = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise ChatFormatError(f"{where} must be an object")
+    for where, msg in _objects(messages, "messages"):
         role = msg.get("role")
         if role not in ROLES:
             raise ChatFormatError(f"{where}.role {role!r} is not one of {sorted(ROLES)}")

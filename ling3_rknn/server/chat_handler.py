@@ -9,13 +9,14 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from ling3_rknn.chat.events import ContentDelta, Finished, ReasoningDelta, ToolCallParsed
 from ling3_rknn.server import errors
-from ling3_rknn.server.completion import Completion
+from ling3_rknn.server.completion import Completion, CompletionEvent
 from ling3_rknn.server.errors import ApiError
 from ling3_rknn.server.metrics import ServerMetrics
 from ling3_rknn.server.responses import ChunkFactory, MessageBuilder, new_completion_id
@@ -74,17 +75,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await completion.close()
 
 
+
+async def _timed_events(completion: Completion, metrics: ServerMetrics, started: float
+                        ) -> AsyncIterator[CompletionEvent]:
+    """The completion's events, observing the time to the first one."""
+    first = True
+    async for event in completion.events():
+        if first:
+            metrics.time_to_first_token.observe(time.monotonic() - started)
+            first = False
+        yield event
+
 async def _whole(request: web.Request, completion: Completion, model: str) -> web.Response:
     metrics = request.app[METRICS]
     started = time.monotonic()
     await completion.start()
     message = MessageBuilder()
     done: Finished | None = None
-    first = True
-    async for event in completion.events():
-        if first:
-            metrics.time_to_first_token.observe(time.monotonic() - started)
-            first = False
+    async for event in _timed_events(completion, metrics, started):
         if isinstance(event, ReasoningDelta):
             message.reasoning.append(event.text)
         elif isinstance(event, ContentDelta):
@@ -174,11 +182,7 @@ async def _stream_events(
 ) -> None:
     metrics = request.app[METRICS]
     await first
-    first_event = True
-    async for event in completion.events():
-        if first_event:
-            metrics.time_to_first_token.observe(time.monotonic() - started)
-            first_event = False
+    async for event in _timed_events(completion, metrics, started):
         if isinstance(event, ContentDelta):
             await writer.write(chunks.content_event(event.text))
         elif isinstance(event, ReasoningDelta):
