@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .prefix_trie import TrieNode, entries_on_path, insert_node, prune
 from .snapshot_store import SnapshotFileError, SnapshotStore, StoredSnapshot
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class _Entry:
         "writing",
     )
 
-    def __init__(self, node: _Node) -> None:
+    def __init__(self, node: TrieNode) -> None:
         self.node = node
         self.snapshot: Any = None
         self.logits: np.ndarray | None = None
@@ -89,25 +90,6 @@ class _Entry:
         return self.snapshot is not None
 
 
-class _Node:
-    __slots__ = ("children", "depth", "edge", "entry", "parent")
-
-    def __init__(self, edge: tuple[int, ...], parent: _Node | None, depth: int) -> None:
-        self.edge = edge
-        self.parent = parent
-        self.depth = depth
-        self.children: dict[int, _Node] = {}
-        self.entry: _Entry | None = None
-
-    def path(self) -> tuple[int, ...]:
-        parts = []
-        node: _Node | None = self
-        while node is not None:
-            parts.append(node.edge)
-            node = node.parent
-        return tuple(t for edge in reversed(parts) for t in edge)
-
-
 def _shared_blocks(snapshot: Any) -> tuple[np.ndarray, ...]:
     """Arrays a snapshot shares with others, if its type says so (``shared_blocks()``)."""
     method = getattr(snapshot, "shared_blocks", None)
@@ -120,17 +102,6 @@ def _own_nbytes(snapshot: Any) -> int:
     if callable(getattr(snapshot, "shared_blocks", None)):
         return int(snapshot.private_nbytes)
     return int(snapshot.nbytes)
-
-
-def _common_length(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
-    """Length of the common prefix of ``edge`` and ``tokens[start:]``."""
-    n = min(len(edge), len(tokens) - start)
-    if tuple(tokens[start : start + n]) == edge[:n]:
-        return n
-    i = 0
-    while i < n and edge[i] == tokens[start + i]:
-        i += 1
-    return i
 
 
 class PrefixCache:
@@ -154,7 +125,7 @@ class PrefixCache:
         self._to_arrays = to_arrays
         self._from_arrays = from_arrays
         self._lock = threading.RLock()
-        self._root = _Node((), None, 0)
+        self._root = TrieNode((), None, 0)
         self._entries: set[_Entry] = set()
         self._tick = 0
         self._bytes = 0
@@ -185,7 +156,7 @@ class PrefixCache:
         """Deepest usable snapshot whose path is a prefix of ``tokens`` (or None)."""
         with self._lock:
             self._lookups += 1
-            for entry in self._entries_on_path(tokens):
+            for entry in entries_on_path(self._root, tokens):
                 if not entry.resident and not self._load(entry):
                     continue
                 self._touch(entry)
@@ -209,7 +180,7 @@ class PrefixCache:
             return False
         key = tuple(int(t) for t in tokens)
         with self._lock:
-            node = self._insert_node(key)
+            node = insert_node(self._root, key)
             entry = node.entry
             if entry is None:
                 entry = node.entry = _Entry(node)
@@ -268,63 +239,12 @@ class PrefixCache:
 
     # -- trie ----------------------------------------------------------------------
 
-    def _entries_on_path(self, tokens: Sequence[int]) -> list[_Entry]:
-        """Entries whose path is a prefix of ``tokens``, deepest first."""
-        found: list[_Entry] = []
-        node = self._root
-        i = 0
-        while i < len(tokens):
-            child = node.children.get(int(tokens[i]))
-            if child is None:
-                break
-            if _common_length(child.edge, tokens, i) < len(child.edge):
-                break
-            node = child
-            i += len(child.edge)
-            if node.entry is not None:
-                found.append(node.entry)
-        found.reverse()
-        return found
-
-    def _insert_node(self, key: tuple[int, ...]) -> _Node:
-        node = self._root
-        i = 0
-        while i < len(key):
-            child = node.children.get(key[i])
-            if child is None:
-                new = _Node(key[i:], node, len(key))
-                node.children[key[i]] = new
-                return new
-            common = _common_length(child.edge, key, i)
-            if common == len(child.edge):
-                node, i = child, i + common
-                continue
-            middle = _Node(child.edge[:common], node, node.depth + common)
-            node.children[key[i]] = middle
-            child.edge = child.edge[common:]
-            child.parent = middle
-            middle.children[child.edge[0]] = child
-            node, i = middle, i + common
-        return node
-
     def _remove(self, entry: _Entry) -> None:
         """Forget an entry and prune the trie around its node."""
         self._entries.discard(entry)
         self._release(entry)
-        node = entry.node
-        node.entry = None
-        while node.parent is not None and node.entry is None:
-            parent = node.parent
-            if not node.children:
-                del parent.children[node.edge[0]]
-                node = parent
-                continue
-            if len(node.children) == 1:  # pass-through node: merge into its child
-                (child,) = node.children.values()
-                child.edge = node.edge + child.edge
-                child.parent = parent
-                parent.children[child.edge[0]] = child
-            break
+        entry.node.entry = None
+        prune(entry.node)
 
     # -- memory and disk budgets ------------------------------------------------------
 
@@ -427,7 +347,7 @@ class PrefixCache:
 
     def _index_store(self, store: SnapshotStore) -> None:
         for stored in store.scan():
-            node = self._insert_node(stored.tokens)
+            node = insert_node(self._root, stored.tokens)
             if node.entry is not None:  # two files for one path: keep one
                 store.delete(stored)
                 continue
