@@ -1,0 +1,147 @@
+"""Checkers for untrusted JSON: each takes a value and its path in OpenAI's notation
+(``messages[2].content``) and returns the value or raises ``Invalid`` naming that path.
+
+The request schema in ``validate.py`` is built from these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class Invalid(Exception):
+    """A value that breaks the schema; ``param`` is its path (None: the body)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+Check = Callable[[Any, str], Any]
+
+
+def fail(path: str, message: str) -> None:
+    raise Invalid(f"{path}: {message}" if path else message, path or None)
+
+
+def join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }.get(type(value), type(value).__name__)
+
+
+def json_object(
+    value: Any,
+    path: str,
+    fields: Mapping[str, Check],
+    required: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Check an object's keys (unknown ones rejected by name) and each field's value."""
+    if not isinstance(value, dict):
+        fail(path, f"expected an object, got {type_name(value)}")
+    for key in value:
+        if key not in fields:
+            where = join(path, str(key))
+            raise Invalid(f"Unrecognized request argument supplied: {where}", where)
+    for key in required:
+        if key not in value:
+            fail(join(path, key), "this field is required")
+    return {key: fields[key](item, join(path, key)) for key, item in value.items()}
+
+
+def nullable(check: Check) -> Check:
+    def run(value: Any, path: str) -> Any:
+        return None if value is None else check(value, path)
+
+    return run
+
+
+def string(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        fail(path, f"expected a string, got {type_name(value)}")
+    return value
+
+
+def boolean(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        fail(path, f"expected a boolean, got {type_name(value)}")
+    return value
+
+
+def integer(low: int | None = None, high: int | None = None) -> Check:
+    def run(value: Any, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(path, f"expected an integer, got {type_name(value)}")
+        if low is not None and value < low:
+            fail(path, f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            fail(path, f"must be <= {high}, got {value}")
+        return value
+
+    return run
+
+
+def number(
+    low: float | None = None, high: float | None = None, *, open_low: bool = False
+) -> Check:
+    def run(value: Any, path: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            fail(path, f"expected a number, got {type_name(value)}")
+        if value != value or value in (float("inf"), float("-inf")):
+            fail(path, "must be a finite number")
+        if low is not None and (value <= low if open_low else value < low):
+            fail(path, f"must be {'>' if open_low else '>='} {low}, got {value}")
+        if high is not None and value > high:
+            fail(path, f"must be <= {high}, got {value}")
+        return float(value)
+
+    return run
+
+
+def one_of(*choices: Any) -> Check:
+    def run(value: Any, path: str) -> Any:
+        if isinstance(value, bool) or value not in choices:
+            options = ", ".join(repr(c) for c in choices)
+            fail(path, f"expected one of {options}, got {value!r}")
+        return value
+
+    return run
+
+
+def any_object(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        fail(path, f"expected an object, got {type_name(value)}")
+    return value
+
+
+def string_map(value: Any, path: str) -> dict[str, str]:
+    value = any_object(value, path)
+    for key, item in value.items():
+        string(item, join(path, key))
+    return value
+
+
+def array(item: Check, *, min_items: int = 0, max_items: int | None = None) -> Check:
+    def run(value: Any, path: str) -> list[Any]:
+        if not isinstance(value, list):
+            fail(path, f"expected an array, got {type_name(value)}")
+        if len(value) < min_items:
+            fail(path, f"expected at least {min_items} item(s)")
+        if max_items is not None and len(value) > max_items:
+            fail(path, f"expected at most {max_items} items, got {len(value)}")
+        return [item(element, f"{path}[{i}]") for i, element in enumerate(value)]
+
+    return run
