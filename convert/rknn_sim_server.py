@@ -1,5 +1,8 @@
 """Keep several stage graphs built in rknn-toolkit2's simulator and run them on request.
 
+Evaluation machinery, not part of a conversion: only the simulator test tier and
+``convert.demo_model.evaluate --simulate`` start it (through ``convert/rknn_simulator.py``).
+
 Runs *inside* ``.venv-rknn`` (numpy<2), started by :class:`convert.rknn_simulator.
 SimulatedGraphs`. A whole model's forward pass calls every stage once per chunk, so
 building each graph per call (``rknn_build.py``) would repeat minutes of work; this

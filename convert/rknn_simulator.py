@@ -1,5 +1,8 @@
 """Stage graphs run by rknn-toolkit2's simulator, as runtime graph executors.
 
+Evaluation machinery (the simulator test tier, ``convert.demo_model.evaluate --simulate``),
+never used by a conversion or shipped to the board.
+
 The bundle's w8a8 ONNX twin imitates the NPU's int8 error with onnxruntime's QDQ
 quantizer; the simulator *is* the toolkit's quantization. :class:`SimulatedGraphs` builds
 a set of stage graphs once in a long-lived ``.venv-rknn`` process
