@@ -27,7 +27,7 @@ GREEDY_STEPS = 32
 QUANT_POSITIONS = 256
 # Stated bound for int4 experts + w8a8 stages as the QDQ *twin* (the host mock) on the tiny
 # random checkpoints; the same figure with the toolkit's own quantizer (simulator) is
-# tests/test_simulator_bundle.py::test_quantized_end_to_end_in_simulator, the split by
+# tests/test_convert_simulator_bundle.py::test_quantized_end_to_end_in_simulator, the split by
 # component tests/bench/bench_quant_divergence.py.
 # Measured (256 teacher-forced positions): top-1 agreement 0.13 / 0.22 / 0.22 and mean KL
 # 0.46 / 0.28 / 0.32 (lora_hfsave / plainq_released / lora_hfmodule_bf16); the twin is
@@ -40,7 +40,7 @@ MAX_MEAN_KL = 0.6
 # onnxruntime's QDQ twin (min/max ranges, uint8 activations) on 16 calibration pieces of
 # the 4 x 90-token test prompts; worst measured 0.960 (layer 5 shared expert: the SwiGLU
 # product's outliers set its range). The rknn build itself keeps >= 0.99 on every stage
-# output (tests/test_simulator_bundle.py).
+# output (tests/test_convert_simulator_bundle.py).
 MIN_STAGE_COSINE = 0.95
 # --target cpu MatMulNBits stages against the fp32 bundle, same 256 positions on the same
 # chaotic 32-wide fixture; measured top-1 0.63 / 0.30 and mean KL 0.043 / 0.28 (int8 /
