@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
              "unchanged (stamped, default), always (full), or sizes only (size: opt-out)",
     )
     _add_convert(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -146,6 +147,21 @@ def _add_convert(commands: Any) -> None:
     conv.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     conv.add_argument("--resume", action="store_true",
                       help="keep finished files of an interrupted run of the same conversion")
+
+
+def _add_bench(commands: Any) -> None:
+    """``bench``: the product's own path measured end to end (``ling3_rknn.bench``)."""
+    bench = commands.add_parser("bench", help="measure the engine end to end (JSON, plot)")
+    bench.add_argument("--bundle", type=Path, metavar="DIR",
+                       help="converted bundle (default: the embedded demo bundle)")
+    bench.add_argument("--json", type=Path, required=True, metavar="OUT", help="report file")
+    bench.add_argument("--plot", type=Path, metavar="OUT.png", help="PNG (needs the plot extra)")
+    bench.add_argument("--compare", type=Path, metavar="OLD.json",
+                       help="print new/old per figure against an earlier report")
+    bench.add_argument("--threads", type=_positive_int, metavar="N",
+                       help="CPU threads per compute pool (as serve --threads)")
+    bench.add_argument("--quick", action="store_true",
+                       help="128 and 466 prompt tokens only (a host run in well under a minute)")
 
 
 def _is_loopback(host: str) -> bool:
@@ -255,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.command == "bench":
+        from ling3_rknn.bench.command import run_bench
+
+        return run_bench(args)
     if args.command == "convert":
         from convert.cli import run_convert
 
