@@ -22,6 +22,8 @@ from typing import Any
 from ling3_rknn.bundle import EXPERT_FORMATS, STAGE_QUANTS, TARGETS
 
 API_KEY_ENV = "LING3_RKNN_API_KEY"
+PLACEHOLDER_API_KEY = "change-me"  # what systemd/ling3-rknn.env ships with
+SERVICE_ENV_FILE = "/etc/ling3-rknn/ling3-rknn.env"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_convert(commands)
     _add_bench(commands)
+    _add_doctor(commands)
     return parser
 
 
@@ -164,6 +167,16 @@ def _add_bench(commands: Any) -> None:
                        help="128 and 466 prompt tokens only (a host run in well under a minute)")
 
 
+def _add_doctor(commands: Any) -> None:
+    """``doctor``: is this board ready to serve, and the command that fixes what is not."""
+    doc = commands.add_parser("doctor", help="check the board and bundle; print the fixes")
+    doc.add_argument("--bundle", type=Path, metavar="DIR",
+                     help="bundle to check (default: the embedded demo bundle)")
+    doc.add_argument("--json", action="store_true", help="print a machine-readable report")
+    doc.add_argument("--quick", action="store_true",
+                     help="skip loading the graphs and timing them (the unit's ExecStartPre)")
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -212,6 +225,17 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
     return load_demo
 
 
+def api_key_problem(host: str, api_key: str | None) -> str | None:
+    """Why serving ``host`` with ``api_key`` is refused: an exposed API with no key, or
+    with the environment file's placeholder, is open to the whole network."""
+    if _is_loopback(host) or (api_key and api_key != PLACEHOLDER_API_KEY):
+        return None
+    what = "without an API key" if not api_key else f"with the placeholder API key {api_key!r}"
+    return (f"refusing to listen on {host} {what}: set {API_KEY_ENV} in {SERVICE_ENV_FILE} "
+            "(generate one: python3 -c 'import secrets; print(secrets.token_urlsafe(32))') "
+            "or pass --api-key, or bind 127.0.0.1")
+
+
 def serve(args: argparse.Namespace) -> int:
     from ling3_rknn.server import AppConfig, EngineHolder, create_app, run_server
     from ling3_rknn.server.app import request_stop
@@ -219,13 +243,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.tokenizer is not None and args.hf is None:
         print("ling3-rknn: --tokenizer only applies to --hf", file=sys.stderr)
         return 2
-    if not _is_loopback(args.host) and not args.api_key:
-        log.warning(
-            "listening on %s without an API key: anyone who can reach it can use the model "
-            "(set --api-key or $%s)",
-            args.host,
-            API_KEY_ENV,
-        )
+    key_problem = api_key_problem(args.host, args.api_key)
+    if key_problem is not None:
+        print(f"ling3-rknn: {key_problem}", file=sys.stderr)
+        return 2
     if args.drain_seconds < 0:
         print("ling3-rknn: --drain-seconds must not be negative", file=sys.stderr)
         return 2
@@ -271,6 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.command == "doctor":
+        from ling3_rknn.doctor import run_doctor
+
+        return run_doctor(args)
     if args.command == "bench":
         from ling3_rknn.bench.command import run_bench
 
