@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval
+.PHONY: system-tools serve test lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint rknn-env agent-clients
+test: lint rknn-env agent-clients system-tools
 	$(VENV)/bin/pytest $(ARGS)
 
 # Host-only tools: transformers 5.24.0 on the local CPU torch wheel, used to regenerate
@@ -84,3 +84,12 @@ demo-eval: $(STAMP)
 		--json $(DEMO)/.work/eval_hf.json
 	$(VENV)/bin/python -m convert.demo_model.evaluate --bundle ling3_rknn/demo/bundle \
 		--json $(DEMO)/.work/eval_bundle.json
+
+# systemd-analyze for tests/test_systemd_unit.py: the Debian systemd package, where missing
+# (needs root or sudo; without apt the test is skipped with a reason).
+system-tools:
+	@command -v systemd-analyze >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		command -v apt-get >/dev/null && $$SUDO apt-get update -qq && \
+		$$SUDO apt-get install -y -qq --no-install-recommends systemd >/dev/null; } || \
+		echo "systemd-analyze unavailable: tests/test_systemd_unit.py will be skipped"
