@@ -10,6 +10,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -217,3 +218,33 @@ async def test_cli_prefix_cache_survives_a_restart(tmp_path):
     (prompt_tokens, cold), (_, warm) = cached
     assert cold == 0
     assert warm > prompt_tokens // 2
+
+
+async def test_cli_tells_systemd_when_ready_and_when_stopping(tmp_path):
+    """A ``Type=notify`` unit: READY=1 arrives only once /health answers 200 (the model
+    loaded), STOPPING=1 when SIGTERM starts the drain."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = tmp_path / "notify.sock"
+    sock.bind(str(path))
+    sock.settimeout(60)
+    os.environ["NOTIFY_SOCKET"] = str(path)
+    try:
+        process = _start_cli("--port", "0")
+    finally:
+        del os.environ["NOTIFY_SOCKET"]
+    try:
+        port = await asyncio.to_thread(_wait_for_port, process)
+        assert await asyncio.to_thread(sock.recv, 64) == b"READY=1"
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/health") as r,
+        ):
+            assert r.status == 200
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(sock.recv, 64) == b"STOPPING=1"
+        assert await asyncio.to_thread(process.wait, 20) == 0
+    finally:
+        sock.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()

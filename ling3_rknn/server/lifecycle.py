@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from ling3_rknn.engine.api import EngineProtocol
+from ling3_rknn.server.sd_notify import notify
 from ling3_rknn.server.state import CONFIG, ENGINE, RUNNING, STATE
 
 log = logging.getLogger("ling3_rknn.server")
@@ -42,6 +43,7 @@ def loader_context(
             try:
                 holder.engine = await asyncio.get_running_loop().run_in_executor(None, loader)
                 log.info("model %s ready", holder.engine.model_id)
+                notify("READY=1")
             except Exception as exc:
                 # /health needs no key, so it names the error class only; the log has all.
                 holder.load_error = type(exc).__name__
@@ -117,6 +119,7 @@ async def run_server(app: web.Application, host: str, port: int) -> None:
         log.info("listening on http://%s:%d", host, bound)
         await stop.wait()
         app[STATE]["stopping"] = True  # /health and new requests answer 503 from now on
+        notify("STOPPING=1")
         drain = app[CONFIG].drain_s
         if drain > 0:
             log.info("draining for %.0f s before shutting down", drain)
