@@ -4,7 +4,6 @@ test_server_e2e.py)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 import pytest
@@ -70,11 +69,25 @@ def test_missing_or_incomplete_bundle_exits_1(tmp_path, capsys):
     assert "no manifest.json" in capsys.readouterr().err
 
 
-def test_warns_when_exposed_without_key(monkeypatch, tmp_path, caplog):
+def test_refuses_exposed_without_key_or_with_the_placeholder(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
-    with caplog.at_level(logging.WARNING, logger="ling3_rknn.cli"):
-        cli.main(["serve", "--hf", str(tmp_path), "--host", "0.0.0.0", "--port", "0"])
-    assert "without an API key" in caplog.text
+    argv = ["serve", "--hf", str(tmp_path), "--host", "0.0.0.0", "--port", "0"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "refusing to listen on 0.0.0.0 without an API key" in err
+    assert "/etc/ling3-rknn/ling3-rknn.env" in err
+    monkeypatch.setenv(cli.API_KEY_ENV, "change-me")  # what systemd/ling3-rknn.env ships
+    assert cli.main(argv) == 2
+    assert "placeholder API key 'change-me'" in capsys.readouterr().err
+
+
+def test_api_key_rule():
+    assert cli.api_key_problem("127.0.0.1", None) is None
+    assert cli.api_key_problem("localhost", "change-me") is None
+    assert cli.api_key_problem("::1", "") is None
+    assert cli.api_key_problem("0.0.0.0", "s3cret-key") is None
+    assert cli.api_key_problem("192.168.1.20", "") is not None
+    assert cli.api_key_problem("::", "change-me") is not None
 
 
 def test_engine_options_only_pass_what_was_given():

@@ -1,0 +1,77 @@
+"""Checks that mean the same on any machine: Python packages and memory."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+from ling3_rknn.doctor.report import Check
+from ling3_rknn.doctor.sysfs import SysRoot
+
+MEMINFO = "proc/meminfo"
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def rknnlite(on_board: bool) -> Check:
+    """rknn-toolkit-lite2: required on the board; a host runs the onnxruntime mock."""
+    version = package_version("rknn-toolkit-lite2")
+    if version is not None:
+        return Check("rknn-toolkit-lite2", "ok", version, data={"version": version})
+    if not on_board:
+        return Check("rknn-toolkit-lite2", "skip", "not installed (host: the onnxruntime "
+                     "mock runs the graphs)")
+    return Check("rknn-toolkit-lite2", "fail", "not installed",
+                 fix="pip install 'ling3-rknn[board]'  # in the service's venv, "
+                     "e.g. /opt/ling3-rknn/.venv/bin/pip")
+
+
+def runtime_packages() -> Check:
+    names = ("ling3-rknn", "numpy", "onnxruntime", "tokenizers", "aiohttp")
+    versions = {n: package_version(n) for n in names}
+    missing = [n for n, v in versions.items() if v is None and n != "ling3-rknn"]
+    shown = ", ".join(f"{n} {v}" for n, v in versions.items() if v)
+    detail = f"Python {platform.python_version()}; {shown}"
+    if missing:
+        return Check("Python packages", "fail", f"{detail}; missing {', '.join(missing)}",
+                     fix="pip install 'ling3-rknn[board]'", data={"versions": versions})
+    return Check("Python packages", "ok", detail, data={"versions": versions})
+
+
+def meminfo(sys: SysRoot) -> dict[str, int]:
+    """``/proc/meminfo`` in bytes."""
+    values: dict[str, int] = {}
+    for line in (sys.read(MEMINFO) or "").splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return values
+
+
+def memory(sys: SysRoot, need: int | None) -> Check:
+    """Total memory must hold the bundle; available memory below it means paging."""
+    info = meminfo(sys)
+    total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    if total is None or avail is None:
+        return Check("memory", "warn", f"{SysRoot.shown(MEMINFO)} not readable")
+    gib = 2**30
+    data = {"total_bytes": total, "available_bytes": avail, "bundle_bytes": need}
+    detail = f"{avail / gib:.1f} GiB available of {total / gib:.1f} GiB"
+    if need is None:
+        return Check("memory", "ok", detail, data=data)
+    detail += f"; the bundle takes {need / gib:.2f} GiB"
+    if need > total:
+        return Check("memory", "fail", detail + ": more than the board has",
+                     fix="use a board with more memory (16 GB or 32 GB CM3588), or a smaller "
+                         "conversion (--experts int4)", data=data)
+    if need > avail:
+        return Check("memory", "warn", detail + ": more than is free now, expect paging",
+                     fix="stop other services (free -h; systemctl list-units --type=service)",
+                     data=data)
+    return Check("memory", "ok", detail, data=data)

@@ -1,0 +1,179 @@
+"""``ling3-rknn doctor`` against a fake RK3588 filesystem tree and on this host.
+
+The fake tree has what the doctor reads on a CM3588: the device tree, the rknpu version,
+cpufreq policies, the NPU and DDR devfreq nodes, thermal zones, meminfo and librknnrt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from ling3_rknn import cli
+from ling3_rknn.doctor import SysRoot, board, diagnose, host, run_doctor
+from ling3_rknn.doctor.report import Check, Report
+
+GIB_KB = 1024 * 1024
+
+
+def fake_board(root: Path, *, cpu_governor: str = "performance", npu: str = "performance",
+               ddr: str | None = "performance", driver: str = "RKNPU driver: v0.9.8",
+               temp_milli: int = 45000, mem_kb: int = 16 * GIB_KB,
+               librknnrt: bytes | None = b"\0librknnrt version: 2.5.0 (abc@2025)\0") -> Path:
+    def put(rel: str, text: str | bytes) -> None:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(text)
+
+    put("proc/device-tree/compatible", "friendlyelec,cm3588\0rockchip,rk3588\0")
+    put("proc/device-tree/model", "FriendlyElec CM3588\0")
+    put("sys/module/rknpu/version", driver + "\n")
+    for policy, cpus, top in (("policy0", "0 1 2 3", 1800000), ("policy4", "4 5", 2352000),
+                              ("policy6", "6 7", 2352000)):
+        base = f"sys/devices/system/cpu/cpufreq/{policy}"
+        put(f"{base}/scaling_governor", cpu_governor + "\n")
+        put(f"{base}/related_cpus", cpus + "\n")
+        put(f"{base}/scaling_cur_freq", f"{top}\n")
+        put(f"{base}/cpuinfo_max_freq", f"{top}\n")
+    put("sys/class/devfreq/fdab0000.npu/governor", npu + "\n")
+    put("sys/class/devfreq/fdab0000.npu/cur_freq", "1000000000\n")
+    put("sys/class/devfreq/fdab0000.npu/max_freq", "1000000000\n")
+    if ddr is not None:
+        put("sys/class/devfreq/dmc/governor", ddr + "\n")
+        put("sys/class/devfreq/dmc/cur_freq", "2112000000\n")
+        put("sys/class/devfreq/dmc/max_freq", "2112000000\n")
+    for i, kind in enumerate(("soc-thermal", "npu-thermal")):
+        put(f"sys/class/thermal/thermal_zone{i}/type", kind + "\n")
+        put(f"sys/class/thermal/thermal_zone{i}/temp", f"{temp_milli}\n")
+    put("proc/meminfo", f"MemTotal: {mem_kb} kB\nMemFree: {mem_kb // 2} kB\n"
+                        f"MemAvailable: {mem_kb // 2} kB\n")
+    if librknnrt is not None:
+        put("usr/lib/librknnrt.so", b"\x7fELF" + b"x" * 5000 + librknnrt)
+    return root
+
+
+@pytest.fixture
+def lite2_installed(monkeypatch):
+    """rknn-toolkit-lite2 'installed': the fake board has it; this host does not."""
+    real = host.package_version
+    monkeypatch.setattr(host, "package_version",
+                        lambda name: "2.5.0" if name == "rknn-toolkit-lite2" else real(name))
+
+
+def doctor(argv: list[str], root: Path) -> int:
+    args = cli.build_parser().parse_args(["doctor", *argv])
+    return run_doctor(args, root=root)
+
+
+def by_name(report: Report) -> dict[str, Check]:
+    return {c.name: c for c in report.checks}
+
+
+def test_good_fake_board_is_ready(tmp_path, lite2_installed, capsys):
+    assert doctor(["--quick"], fake_board(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "ok   SoC: friendlyelec,cm3588, rockchip,rk3588" in out
+    assert "v0.9.8" in out and "librknnrt: 2.5.0" in out
+    assert "governor performance; 2352 MHz of 2352 MHz" in out
+    assert "skip graphs: --quick" in out
+    assert out.rstrip().endswith("ready") and "FAIL" not in out
+
+
+def test_bad_governor_prints_the_fix_and_exits_1(tmp_path, lite2_installed, capsys):
+    root = fake_board(tmp_path, cpu_governor="schedutil", npu="simple_ondemand")
+    assert doctor(["--quick"], root) == 1
+    out = capsys.readouterr().out
+    assert "FAIL CPU policy4 (cpus 4 5): governor schedutil (want performance)" in out
+    assert ("fix: echo performance | sudo tee "
+            "/sys/devices/system/cpu/cpufreq/policy4/scaling_governor") in out
+    assert "fix: echo performance | sudo tee /sys/class/devfreq/fdab0000.npu/governor" in out
+    assert str(tmp_path) not in out  # fixes name the board's real paths
+    assert "not ready: 4 problem(s)" in out
+
+
+def test_board_problems_each_with_a_fix(tmp_path, lite2_installed):
+    root = fake_board(tmp_path, ddr=None, driver="RKNPU driver: v0.8.2", temp_milli=85500,
+                      librknnrt=None, mem_kb=4 * GIB_KB)
+    found = by_name(diagnose(Path(cli_demo_bundle()), True, SysRoot(root)))
+    assert found["NPU driver"].status == "fail" and "0.9.6" in found["NPU driver"].fix
+    assert found["librknnrt"].status == "fail"
+    assert "rknpu2/runtime/Linux/librknn_api/aarch64" in found["librknnrt"].fix
+    assert found["DDR clock"].status == "warn" and "dmc" in found["DDR clock"].detail
+    assert found["thermal soc-thermal"].status == "warn"
+    assert found["memory"].status == "ok"  # the demo bundle is tiny
+
+
+def test_librknnrt_older_than_the_toolkit_fails(tmp_path):
+    root = fake_board(tmp_path, librknnrt=b"librknnrt version: 2.3.2 (429f97ae6b@2025)")
+    found = board.librknnrt(SysRoot(root), "2.5.0")
+    assert found.status == "fail" and "Invalid RKNN model version" in found.detail
+    assert board.librknnrt(SysRoot(root), None).status == "ok"
+
+
+def test_missing_lite2_on_the_board_fails_with_the_pip_command(tmp_path, capsys):
+    assert doctor(["--quick"], fake_board(tmp_path)) == (
+        0 if host.package_version("rknn-toolkit-lite2") else 1)
+    if not host.package_version("rknn-toolkit-lite2"):
+        assert "pip install 'ling3-rknn[board]'" in capsys.readouterr().out
+
+
+def test_memory_against_the_bundle(tmp_path):
+    root = fake_board(tmp_path, mem_kb=8 * GIB_KB)
+    assert host.memory(SysRoot(root), 10 * 2**30).status == "fail"
+    assert host.memory(SysRoot(root), 6 * 2**30).status == "warn"
+    assert host.memory(SysRoot(root), 1 * 2**30).status == "ok"
+    assert host.memory(SysRoot(tmp_path / "nothing"), 1).status == "warn"
+
+
+def test_host_says_not_an_rk3588_and_checks_the_bundle(tmp_path, capsys):
+    assert doctor([], tmp_path) == 0  # an empty root: no device tree
+    out = capsys.readouterr().out
+    assert "not an RK3588" in out
+    assert "ok   bundle:" in out and "graphs: 9 of 9 loaded on the onnxruntime mock" in out
+    assert "latency: decode floor" in out and "governor" not in out
+
+
+def test_json_report(tmp_path, lite2_installed, capsys):
+    assert doctor(["--quick", "--json"], fake_board(tmp_path, ddr="simple_ondemand")) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ready"] is False and report["machine"]["rk3588"] is True
+    ddr = next(c for c in report["checks"] if c["name"] == "DDR clock")
+    assert ddr["status"] == "fail" and ddr["fix"].endswith("/sys/class/devfreq/dmc/governor")
+
+
+def test_broken_bundle_and_crashing_checks_are_findings(tmp_path, monkeypatch, capsys):
+    def boom(_root):
+        raise PermissionError("sysfs said no")
+
+    monkeypatch.setattr(board, "thermals", boom)
+    code = doctor(["--bundle", str(tmp_path / "nope")], fake_board(tmp_path / "root"))
+    out = capsys.readouterr().out
+    assert code == 1 and "Traceback" not in out
+    assert "FAIL bundle:" in out and "does not exist" in out
+    assert "FAIL thermal: check crashed: PermissionError: sysfs said no" in out
+
+
+def test_sysroot_reads_are_robust(tmp_path):
+    sys_root = SysRoot(tmp_path)
+    assert sys_root.read("sys/kernel/debug/rknpu/version") is None
+    assert sys_root.read_int("proc/nothing") is None
+    assert sys_root.glob("sys/class/thermal", "thermal_zone*") == []
+    assert board.driver(sys_root).status == "warn"
+
+
+def cli_demo_bundle() -> Path:
+    from ling3_rknn.demo import bundle_dir
+
+    return bundle_dir()
+
+
+def test_doctor_arguments():
+    args = cli.build_parser().parse_args(["doctor", "--bundle", "b", "--json", "--quick"])
+    assert isinstance(args, argparse.Namespace)
+    assert (args.command, str(args.bundle), args.json, args.quick) == ("doctor", "b", True, True)
