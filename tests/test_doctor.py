@@ -177,3 +177,21 @@ def test_doctor_arguments():
     args = cli.build_parser().parse_args(["doctor", "--bundle", "b", "--json", "--quick"])
     assert isinstance(args, argparse.Namespace)
     assert (args.command, str(args.bundle), args.json, args.quick) == ("doctor", "b", True, True)
+
+
+SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
+
+
+def test_the_unit_runs_doctor_quick_before_serving():
+    unit = (SYSTEMD / "ling3-rknn.service").read_text()
+    pre = [line for line in unit.splitlines() if line.startswith("ExecStartPre=")]
+    assert pre == ["ExecStartPre=-/opt/ling3-rknn/.venv/bin/ling3-rknn doctor --quick "
+                   "--bundle ${LING3_RKNN_BUNDLE}"]
+    args = cli.build_parser().parse_args(pre[0].split("ling3-rknn ", 1)[1].split())
+    assert args.command == "doctor" and args.quick
+
+
+def test_serve_knows_the_env_files_placeholder():
+    env = (SYSTEMD / "ling3-rknn.env").read_text()
+    assert f"{cli.API_KEY_ENV}={cli.PLACEHOLDER_API_KEY}\n" in env
+    assert cli.SERVICE_ENV_FILE in env  # the file's own header names where it lives
