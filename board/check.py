@@ -29,22 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-DRIVER_VERSION_FILES = ("/sys/kernel/debug/rknpu/version", "/sys/module/rknpu/version",
-                        "/proc/rknpu/version")
-EMPTY_GRAPH_SHAPE = (1, 1, 8)  # the documented empty graph: one Add over [1, 1, 8]
-NPU_WINDOW_BYTES = 4 << 30  # RKNNLite models share one ~4 GB address window
 
 
 def _import_project() -> None:
@@ -55,31 +46,19 @@ def _import_project() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+_import_project()
+# The shared pieces live in the doctor (``ling3-rknn doctor``), which runs the same
+# checks without the latency options; this script stays for --empty-rknn and --json OUT.
+from ling3_rknn.doctor.board import DRIVER_VERSION_FILES  # noqa: E402
+from ling3_rknn.doctor.graphs import NPU_WINDOW_BYTES, latency  # noqa: E402
+from ling3_rknn.doctor.graphs import starts_with as _starts_with  # noqa: E402
+from ling3_rknn.doctor.sysfs import SysRoot  # noqa: E402
+
+EMPTY_GRAPH_SHAPE = (1, 1, 8)  # the documented empty graph: one Add over [1, 1, 8]
+
+
 def driver_version() -> str | None:
-    for path in DRIVER_VERSION_FILES:
-        try:
-            return Path(path).read_text().strip()
-        except OSError:
-            continue
-    return None
-
-
-def latency(run: Callable[..., Any], feeds: list[np.ndarray], runs: int
-            ) -> tuple[float, float]:
-    """Median and p90 (nearest rank) in ms of ``runs`` calls after one warm-up call."""
-    run(*feeds)  # warm-up: the first call allocates
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        run(*feeds)
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return statistics.median(times), times[max(0, math.ceil(0.9 * len(times)) - 1)]
-
-
-def _starts_with(path: Path, magic: bytes) -> bool:
-    with open(path, "rb") as f:  # not read_bytes(): the lm_head graph is ~0.5 GB
-        return f.read(len(magic)) == magic
+    return next(filter(None, map(SysRoot().read, DRIVER_VERSION_FILES)), None)
 
 
 class Checker:
@@ -260,7 +239,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _import_project()
     if args.bundle is None:
         from ling3_rknn.demo import bundle_dir
 
