@@ -27,6 +27,8 @@ NPU_DEVFREQ = "sys/class/devfreq/fdab0000.npu"
 DMC_DEVFREQ = "sys/class/devfreq/dmc"
 CPUFREQ = "sys/devices/system/cpu/cpufreq"
 THERMAL = "sys/class/thermal"
+# every clock at once, and undone with `undo` (board/governors.sh in the checkout)
+GOVERNORS_SCRIPT = "or every clock at once: sudo board/governors.sh apply"
 HOT_C = 80.0  # the RK3588 throttles above about 80 °C
 _VERSION = re.compile(rb"librknnrt version: ([0-9][0-9A-Za-z.+-]*)")
 
@@ -102,7 +104,7 @@ def _mhz(value: int | None, unit_hz: int) -> str:
 
 def _governor_check(name: str, rel: str, governor: str | None, clocks: str,
                     data: dict[str, object]) -> Check:
-    fix = f"echo performance | sudo tee {SysRoot.shown(rel)}"
+    fix = f"echo performance | sudo tee {SysRoot.shown(rel)}\n{GOVERNORS_SCRIPT}"
     data = {"governor": governor, **data}
     if governor is None:
         return Check(name, "warn", f"{SysRoot.shown(rel)} missing", data=data)
@@ -148,19 +150,19 @@ def npu_ddr(sys: SysRoot) -> list[Check]:
     ]
 
 
-def thermals(sys: SysRoot) -> list[Check]:
-    checks = []
+def thermals(sys: SysRoot) -> Check:
+    """Every thermal zone in one line; a warning at the throttling point."""
+    temps: dict[str, float] = {}
     for zone in sys.glob(THERMAL, "thermal_zone*"):
         milli = sys.read_int(f"{zone}/temp")
-        if milli is None:
-            continue
-        kind = sys.read(f"{zone}/type") or zone.rsplit("/", 1)[1]
-        celsius = milli / 1000
-        data = {"zone": zone.rsplit("/", 1)[1], "celsius": celsius}
-        if celsius >= HOT_C:
-            checks.append(Check(f"thermal {kind}", "warn", f"{celsius:.1f} °C: throttles above "
-                                f"about {HOT_C:.0f} °C", fix="fit a heatsink and fan (the "
-                                "CM3588 NAS kit's fan header), check airflow", data=data))
-        else:
-            checks.append(Check(f"thermal {kind}", "ok", f"{celsius:.1f} °C", data=data))
-    return checks
+        if milli is not None:
+            kind = sys.read(f"{zone}/type") or zone.rsplit("/", 1)[1]
+            temps[kind.removesuffix("-thermal")] = milli / 1000
+    if not temps:
+        return Check("thermal", "skip", f"no {SysRoot.shown(THERMAL)}/thermal_zone*/temp")
+    detail = ", ".join(f"{k} {v:.1f} °C" for k, v in temps.items())
+    hot = max(temps.values())
+    if hot >= HOT_C:
+        return Check("thermal", "warn", f"{detail}: throttles above about {HOT_C:.0f} °C",
+                     fix="fit a heatsink and fan and check the airflow", data={"celsius": temps})
+    return Check("thermal", "ok", detail, data={"celsius": temps})
