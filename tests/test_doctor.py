@@ -101,7 +101,7 @@ def test_board_problems_each_with_a_fix(tmp_path, lite2_installed):
     root = fake_board(tmp_path, ddr=None, driver="RKNPU driver: v0.8.2", temp_milli=85500,
                       librknnrt=None, mem_kb=4 * GIB_KB)
     found = by_name(diagnose(Path(cli_demo_bundle()), True, SysRoot(root)))
-    assert found["NPU driver"].status == "fail" and "0.9.6" in found["NPU driver"].fix
+    assert found["NPU driver"].status == "warn" and "0.9.6" in found["NPU driver"].fix
     assert found["librknnrt"].status == "fail"
     assert "rknpu2/runtime/Linux/librknn_api/aarch64" in found["librknnrt"].fix
     assert found["DDR clock"].status == "warn" and "dmc" in found["DDR clock"].detail
@@ -199,3 +199,27 @@ def test_serve_knows_the_env_files_placeholder():
     env = (SYSTEMD / "ling3-rknn.env").read_text()
     assert f"{cli.API_KEY_ENV}={cli.PLACEHOLDER_API_KEY}\n" in env
     assert cli.SERVICE_ENV_FILE in env  # the file's own header names where it lives
+
+
+def test_toolkit_version_in_an_rknn_header():
+    from ling3_rknn.doctor.graphs import _COMPILER
+
+    header = b"RKNN\0\0\x06" + b"\0" * 40 + b"2.5.0(compiler version: 2.5.0 (abc@2025))\0"
+    match = _COMPILER.search(header)
+    assert match is not None and match.group(1) == b"2.5.0"
+
+
+def test_the_entry_point_never_tracebacks(tmp_path):
+    """As the unit runs it: a subprocess, here on an empty root (not an RK3588)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LING3_RKNN_DOCTOR_ROOT": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "ling3_rknn.cli", "doctor", "--quick",
+                           "--json", "--bundle", str(tmp_path / "missing")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    report = json.loads(done.stdout)
+    assert report["ready"] is False and report["machine"]["rk3588"] is False
+    assert {c["name"]: c["status"] for c in report["checks"]}["bundle"] == "fail"
