@@ -68,7 +68,7 @@ def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot) -> Report:
     bundle_checks = _guarded("bundle", open_bundle)
     bundle = opened[0]
     if on_board:
-        toolkit = graphs.toolkit_version(bundle) if bundle is not None else None
+        toolkit = bundle_checks[0].data.get("toolkit")  # what built the .rknn files
         add(_guarded("NPU driver", lambda: board.driver(sys_root)))
         add(_guarded("librknnrt", lambda: board.librknnrt(sys_root, toolkit)))
         add(_guarded("CPU governors", lambda: board.cpu_governors(sys_root)))

@@ -47,8 +47,11 @@ def toolkit_version(bundle: Bundle) -> str | None:
     for spec in bundle.manifest.stages.values():
         if spec.rknn is None:
             continue
-        with open(bundle.path(spec.rknn), "rb") as f:
-            match = _COMPILER.search(f.read(1 << 20))
+        try:
+            with open(bundle.path(spec.rknn), "rb") as f:
+                match = _COMPILER.search(f.read(1 << 20))
+        except OSError:
+            continue
         if match:
             return match.group(1).decode()
     return None
@@ -63,9 +66,11 @@ def open_bundle(path: Path, quick: bool) -> tuple[Bundle | None, Check]:
                            "conversion host (rsync -a OUT_DIR board:/opt/ling3-rknn/bundles/)")
     m = bundle.manifest
     npu_bytes = sum(s.nbytes for s in m.stages.values())
-    data = {"path": str(path), "target": m.target, "verified": verify,
+    toolkit = toolkit_version(bundle)
+    data = {"path": str(path), "target": m.target, "verified": verify, "toolkit": toolkit,
             "npu_bytes": npu_bytes, "file_bytes": bundle_bytes(bundle)}
-    detail = (f"{path} (target {m.target}, {len(m.stages)} graphs, "
+    built = f"built by rknn-toolkit2 {toolkit}, " if toolkit else ""
+    detail = (f"{path} (target {m.target}, {built}{len(m.stages)} graphs, "
               f"{npu_bytes / 2**20:.1f} MiB on the NPU, files checked by "
               f"{'size' if quick else 'sha256'})")
     if m.target != "rk3588":
