@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ling3_rknn.cpu_threads import is_rk3588
 from ling3_rknn.doctor.report import Check
 from ling3_rknn.doctor.sysfs import SysRoot
 
@@ -39,7 +40,7 @@ def soc(sys: SysRoot) -> tuple[bool, Check]:
     """Whether this is an RK3588 (device tree), and the finding that says so."""
     raw = sys.read(DT_COMPATIBLE)
     names = [n for n in (raw or "").split("\x00") if n]
-    if any(n.startswith("rockchip,rk3588") for n in names):
+    if is_rk3588(sys.path(DT_COMPATIBLE)):  # the same test as the CPU thread policy
         return True, Check("SoC", "ok", ", ".join(names), data={"compatible": names})
     what = ", ".join(names) if names else f"no {SysRoot.shown(DT_COMPATIBLE)}"
     return False, Check("SoC", "skip", f"not an RK3588 ({what}); board checks skipped, "
