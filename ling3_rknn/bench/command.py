@@ -14,6 +14,8 @@ from typing import Any
 
 from ling3_rknn.bundle import Bundle, BundleError
 from ling3_rknn.cpu_threads import ThreadPolicyError, apply_thread_policy
+from ling3_rknn.engine import EngineError
+from ling3_rknn.npu import ExpertError, NpuError
 
 from . import compare, identity, measure, plot, report
 from .progress import Progress
@@ -53,12 +55,15 @@ def run_bench(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         engine = _load_engine(args)
-    except (BundleError, OSError, ValueError) as exc:
+    except (BundleError, NpuError, ExpertError, OSError, ValueError) as exc:
         progress.close()
         return _fail(f"cannot load the model: {exc}")
     load_s = time.perf_counter() - t0
     try:
         figures = measure.measure(engine, bundle, plan, progress)
+    except (EngineError, NpuError, ExpertError) as exc:  # the model failed mid-run
+        print(f"ling3-rknn bench: the model failed while measuring: {exc}", file=sys.stderr)
+        return 1
     finally:
         engine.close()
         progress.close()
