@@ -224,3 +224,37 @@ def test_the_entry_point_never_tracebacks(tmp_path):
     report = json.loads(done.stdout)
     assert report["ready"] is False and report["machine"]["rk3588"] is False
     assert {c["name"]: c["status"] for c in report["checks"]}["bundle"] == "fail"
+
+
+def test_full_run_on_the_board_loads_and_times_every_graph(tmp_path, lite2_installed,
+                                                          monkeypatch):
+    """Without --quick: every graph through the RKNNLite class (the mock stands in)."""
+    from ling3_rknn.doctor import command
+    from ling3_rknn.npu import MockRKNNLite
+
+    monkeypatch.setattr(command, "_rknnlite_class", lambda on_board: MockRKNNLite)
+    report = diagnose(cli_demo_bundle(), False, SysRoot(fake_board(tmp_path)))
+    found = by_name(report)
+    assert report.ready and found["graphs"].detail == "9 of 9 loaded on the NPU"
+    assert set(found["graphs"].data["stages"]["final"]["median_ms"]) == {"T=1", "T=64"}
+    assert found["latency"].data["calls"] == 9
+
+
+def test_a_graph_that_does_not_load_is_a_failure(tmp_path, lite2_installed, monkeypatch):
+    from ling3_rknn.doctor import command
+
+    class Broken:
+        def __init__(self, verbose: bool = False) -> None:
+            pass
+
+        def load_rknn(self, path: str) -> int:
+            return -1
+
+        def release(self) -> None:
+            pass
+
+    monkeypatch.setattr(command, "_rknnlite_class", lambda on_board: Broken)
+    report = diagnose(cli_demo_bundle(), False, SysRoot(fake_board(tmp_path)))
+    assert not report.ready
+    assert by_name(report)["graphs"].detail == "0 of 9 loaded on the NPU"
+    assert "does not load on core" in by_name(report)["graph final"].detail
