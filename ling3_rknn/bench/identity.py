@@ -83,7 +83,8 @@ def rss_bytes() -> tuple[int, int]:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024, peak
+                current = int(line.split()[1]) * 1024
+                return current, max(peak, current)  # read a moment apart
     except OSError:
         pass
     return peak, peak
