@@ -152,11 +152,15 @@ def _add_convert(commands: Any) -> None:
                       help="keep finished files of an interrupted run of the same conversion")
 
 
+def _demo_default_bundle(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--bundle", type=Path, metavar="DIR",
+                        help=f"{what} (default: the embedded demo bundle)")
+
+
 def _add_bench(commands: Any) -> None:
     """``bench``: the product's own path measured end to end (``ling3_rknn.bench``)."""
     bench = commands.add_parser("bench", help="measure the engine end to end (JSON, plot)")
-    bench.add_argument("--bundle", type=Path, metavar="DIR",
-                       help="converted bundle (default: the embedded demo bundle)")
+    _demo_default_bundle(bench, "converted bundle")
     bench.add_argument("--json", type=Path, required=True, metavar="OUT", help="report file")
     bench.add_argument("--plot", type=Path, metavar="OUT.png", help="PNG (needs the plot extra)")
     bench.add_argument("--compare", type=Path, metavar="OLD.json",
@@ -170,8 +174,7 @@ def _add_bench(commands: Any) -> None:
 def _add_doctor(commands: Any) -> None:
     """``doctor``: is this board ready to serve, and the command that fixes what is not."""
     doc = commands.add_parser("doctor", help="check the board and bundle; print the fixes")
-    doc.add_argument("--bundle", type=Path, metavar="DIR",
-                     help="bundle to check (default: the embedded demo bundle)")
+    _demo_default_bundle(doc, "bundle to check")
     doc.add_argument("--json", action="store_true", help="print a machine-readable report")
     doc.add_argument("--quick", action="store_true",
                      help="skip loading the graphs and timing them (the unit's ExecStartPre)")

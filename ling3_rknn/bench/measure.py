@@ -60,9 +60,9 @@ def capped_sizes(sizes: Sequence[int], max_context: int, decode_tokens: int) -> 
 
 
 def model_of(engine: Engine) -> Any:
-    """The model the engine's worker runs. The engine keeps it private; the bench needs
-    the very object (to time its stages and experts in place), not a second copy."""
-    return engine._runner._model
+    """The model the engine's worker runs: the very object (to time its stages and experts
+    in place), not a second copy."""
+    return engine.model
 
 
 async def _generate(engine: Engine, request: GenerationRequest) -> tuple[Finished, float]:

@@ -131,6 +131,11 @@ class Engine:
     # -- EngineProtocol ------------------------------------------------------------
 
     @property
+    def model(self) -> Any:
+        """The model the worker runs (the bench times its stages and experts in place)."""
+        return self._runner.model
+
+    @property
     def ready(self) -> bool:
         return not self._closed and self._worker.is_alive()
 

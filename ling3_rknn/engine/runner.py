@@ -154,6 +154,10 @@ class Runner:
 
     # -- model calls ---------------------------------------------------------------
 
+    @property
+    def model(self) -> ModelLike:
+        return self._model
+
     def _forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits row after the last of ``ids``; a model error becomes EngineFailure."""
         try:
