@@ -35,7 +35,7 @@ has torch 2.13 + transformers 5.24.0; checkpoint, bundle and GGUF are cached in 
 default ``tmp/bench_side_by_side`` in the repository, an ignored folder)::
 
     .venv/bin/python tests/bench/bench_side_by_side.py                 # project figures only
-    .venv/bin/python tests/bench/bench_side_by_side.py --llama-dir /work/llamacpp \\
+    .venv/bin/python tests/bench/bench_side_by_side.py --llama-dir LLAMA_DIR \\
         --threads 1,2 --rounds 2 --json side_by_side.json
     .venv/bin/python tests/bench/bench_side_by_side.py --llama-bench BIN --gguf MODEL.gguf
 
