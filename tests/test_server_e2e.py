@@ -99,7 +99,7 @@ async def test_real_engine_disconnect_cancels_and_next_request_is_served(client_
     ):
         assert response.status == 200
         await response.content.readline()  # the role chunk: generation is under way
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # generous: a loaded 2-core host delays the worker
     while engine.stats().cancelled < 1:
         assert time.monotonic() < deadline, "generation was not cancelled"
         await asyncio.sleep(0.02)

@@ -16,7 +16,7 @@ minimum of the process CPU time (the machine is shared, so the minimum is the be
 of the cost itself), and the median wall time. BLAS runs single-threaded unless
 OPENBLAS_NUM_THREADS is set, so CPU time is the cost on one core.
 
-Figures on this host (2 shared Zen-1 cores, load average ~2.5; ``--tokens 30``, CPU ms per
+Figures on this host (2 shared x86-64 cores, load average ~2.5; ``--tokens 30``, CPU ms per
 token, median; KDA / MLA / routing / total):
 
     context   before (issue 2)            now
