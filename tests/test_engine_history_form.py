@@ -16,6 +16,7 @@ import pytest
 from engine_doubles import ScriptedModel, answer_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tool_fixtures import READ_TOOLS
 
 from ling3_rknn import chat
 from ling3_rknn.chat.segments import Segment
@@ -87,19 +88,7 @@ def test_history_text_refuses_what_the_template_cannot_reproduce():
 
 # -- the one-render form is the old two-render diff -------------------------------------
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
-                "required": ["path"],
-            },
-        },
-    }
-]
+TOOLS = READ_TOOLS
 _ANCHOR = [{"role": "user", "content": "."}]
 _PIECES = [
     "<think>", "</think>", "\n", "\n\n", " ", "text", "東京", "<|role_end|>", "<tool_call>",

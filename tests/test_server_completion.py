@@ -10,25 +10,14 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scripted_engine import ScriptedEngine
+from tool_fixtures import READ_TOOLS
 
 from ling3_rknn import chat
 from ling3_rknn.chat import ContentDelta, Finished, ReasoningDelta, ToolCallParsed
 from ling3_rknn.server.completion import Completion
 from ling3_rknn.server.validate import parse_chat_request
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
-                "required": ["path"],
-            },
-        },
-    }
-]
+TOOLS = READ_TOOLS
 OUTPUTS = [
     "I should greet.</think>Hello!",
     "Need the file.</think><tool_call>read\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>"
