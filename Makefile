@@ -85,11 +85,16 @@ demo-eval: $(STAMP)
 	$(VENV)/bin/python -m convert.demo_model.evaluate --bundle ling3_rknn/demo/bundle \
 		--json $(DEMO)/.work/eval_bundle.json
 
-# systemd-analyze for tests/test_systemd_unit.py: the Debian systemd package, where missing
-# (needs root or sudo; without apt the test is skipped with a reason).
+# Debian packages that tests run, installed where missing (needs root or sudo; without apt
+# the tests that need them are skipped with a reason): systemd-analyze (package systemd)
+# for tests/test_systemd_unit.py, haproxy for tests/test_deploy_haproxy.py.
+# Debian puts haproxy in /usr/sbin, which a non-root PATH may lack.
 system-tools:
-	@command -v systemd-analyze >/dev/null || { \
+	@missing=""; \
+	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
+	command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || missing="$$missing haproxy"; \
+	[ -z "$$missing" ] || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		command -v apt-get >/dev/null && $$SUDO apt-get update -qq && \
-		$$SUDO apt-get install -y -qq --no-install-recommends systemd >/dev/null; } || \
-		echo "systemd-analyze unavailable: tests/test_systemd_unit.py will be skipped"
+		$$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
+		echo "could not install$$missing: the tests that need it will be skipped"
