@@ -228,6 +228,11 @@ class Tokenizer:
     def special_ids(self) -> dict[str, int]:
         return dict(self._special_ids)
 
+    def library_json(self) -> str:
+        """The ``tokenizers`` JSON this class encodes TEXT with (every control marker flagged
+        special), for libraries that read a tokenizer themselves (the grammar masks)."""
+        return self._text.to_str()
+
     @property
     def eos_id(self) -> int:
         return self._special_ids[markers.ROLE_END]

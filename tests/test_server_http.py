@@ -320,14 +320,20 @@ async def test_accepted_and_ignored_keys_over_http(engine):
     assert status == 200, text
 
 
-async def test_unsupported_tool_choice_is_400(engine):
-    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}
+async def test_a_forced_call_the_grammar_cannot_express_is_400(engine):
+    """A string parameter written unquoted cannot honour contentEncoding: the 400 names the
+    parameter, before the engine sees the request."""
+    tool = {"type": "function", "function": {"name": "read", "parameters": {
+        "type": "object", "properties": {"b": {"type": "string", "contentEncoding": "base64"}}}}}
     async with running_server(engine) as srv, aiohttp.ClientSession() as s:
         status, _, text = await post(
             s, srv.v1 + "/chat/completions", chat_body(tools=[tool], tool_choice="required")
         )
     assert status == 400
-    assert error_of(text)["param"] == "tool_choice"
+    error = error_of(text)
+    assert error["param"] == "tools[0].function.parameters.properties.b"
+    assert "contentEncoding" in error["message"]
+    assert engine.requests == []
 
 
 async def test_history_the_renderer_refuses_is_400_naming_the_field(engine):

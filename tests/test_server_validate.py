@@ -201,12 +201,16 @@ def test_unknown_keys_are_rejected_by_path(payload, param):
         (body(max_completion_tokens=1.5), "max_completion_tokens", "integer"),
         (body(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
         (body(stop=""), "stop", "empty"),
-        (body(tool_choice="required", tools=[TOOL]), "tool_choice", "not supported"),
+        (body(tool_choice="required"), "tool_choice", "at least one tool"),
         (
-            body(tool_choice={"type": "function", "function": {"name": "read"}}, tools=[TOOL]),
-            "tool_choice",
-            "not supported",
+            body(tool_choice={"type": "function", "function": {"name": "write"}}, tools=[TOOL]),
+            "tool_choice.function.name",
+            "not one of the declared tools",
         ),
+        (body(tool_choice={"type": "function", "function": {}}, tools=[TOOL]),
+         "tool_choice.function.name", "required"),
+        (body(tool_choice={"type": "custom", "function": {"name": "read"}}, tools=[TOOL]),
+         "tool_choice.type", "expected one of"),
         (body(tool_choice="sometimes"), "tool_choice", "expected"),
         (body(tools=[{"type": "custom", "custom": {}}]), "tools[0].type", "function"),
         (
@@ -217,7 +221,19 @@ def test_unknown_keys_are_rejected_by_path(payload, param):
         (body(tools=[TOOL, TOOL]), "tools[1].function.name", "duplicate"),
         (body(logprobs=True), "logprobs", "not supported"),
         (body(top_logprobs=2), "top_logprobs", "not supported"),
-        (body(response_format={"type": "json_object"}), "response_format.type", "constrained"),
+        (body(response_format={"type": "xml"}), "response_format.type", "expected one of"),
+        (body(response_format={"type": "json_schema"}), "response_format.json_schema",
+         "required"),
+        (body(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+         "response_format.json_schema.name", "required"),
+        (body(response_format={"type": "json_schema",
+                               "json_schema": {"name": "a b", "schema": {}}}),
+         "response_format.json_schema.name", "must match"),
+        (body(response_format={"type": "json_schema",
+                               "json_schema": {"name": "a", "schema": []}}),
+         "response_format.json_schema.schema", "object"),
+        (body(response_format={"type": "json_object", "json_schema": {"name": "a"}}),
+         "response_format.json_schema", "only allowed"),
         (body(reasoning_effort="max"), "reasoning_effort", "expected one of"),
         (body(metadata={"a": 1}), "metadata.a", "string"),
         (body(parallel_tool_calls=1), "parallel_tool_calls", "boolean"),
@@ -251,6 +267,25 @@ def test_thinking_switches():
 def test_max_completion_tokens_wins_over_max_tokens():
     assert parse_chat_request(body(max_tokens=5, max_completion_tokens=9)).max_tokens == 9
     assert parse_chat_request(body(max_tokens=5)).max_tokens == 5
+
+
+def test_forced_tools_and_response_formats_resolve():
+    named = parse_chat_request(body(
+        tools=[TOOL], tool_choice={"type": "function", "function": {"name": "read"}}))
+    assert (named.tool_choice, named.forced_tool) == ("required", "read")
+    required = parse_chat_request(body(tools=[TOOL], tool_choice="required"))
+    assert (required.tool_choice, required.forced_tool) == ("required", None)
+    assert parse_chat_request(body(response_format={"type": "text"})).response_schema is None
+    assert parse_chat_request(
+        body(response_format={"type": "json_object"})).response_schema == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    strict = parse_chat_request(body(response_format={
+        "type": "json_schema",
+        "json_schema": {"name": "A", "schema": schema, "strict": True, "description": "d"}}))
+    assert strict.response_schema == schema
+    anything = parse_chat_request(body(response_format={
+        "type": "json_schema", "json_schema": {"name": "A"}}))
+    assert anything.response_schema == {}
 
 
 def test_tool_choice_none_and_null_tools():

@@ -31,6 +31,7 @@ from .parse import (
 from .render import TEMPLATE_SHA256, render, render_text
 from .segments import ChatFormatError, Segment
 from .stream_parse import StreamingParser
+from .turn_grammar import GrammarError, GrammarText, TurnGrammar, turn_grammar
 
 __all__ = [
     "TEMPLATE_SHA256",
@@ -40,6 +41,8 @@ __all__ = [
     "FinishReason",
     "Finished",
     "GenerationEvent",
+    "GrammarError",
+    "GrammarText",
     "ParseEvent",
     "ParsedMessage",
     "RawArguments",
@@ -49,6 +52,7 @@ __all__ = [
     "TextDelta",
     "ToolCall",
     "ToolCallParsed",
+    "TurnGrammar",
     "Usage",
     "assistant_message",
     "history_form",
@@ -58,4 +62,5 @@ __all__ = [
     "parse_assistant",
     "render",
     "render_text",
+    "turn_grammar",
 ]

@@ -17,7 +17,26 @@ class ToolSpec:
     required: tuple[str, ...]
 
 
-def _types_of(schema: Any) -> set[str]:
+def resolve_ref(schema: Any, root: Any) -> Any:
+    """A parameter schema with a local ``$ref`` (``#/$defs/X``, ``#/definitions/X``, as
+    pydantic writes them) replaced by its target, sibling keywords kept; else unchanged."""
+    seen: set[str] = set()
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        ref = schema["$ref"]
+        parts = ref.split("/")
+        if ref in seen or len(parts) != 3 or parts[0] != "#" or not isinstance(root, dict):
+            return schema
+        seen.add(ref)
+        target = (root.get(parts[1]) or {}).get(parts[2]) if isinstance(
+            root.get(parts[1]), dict) else None
+        if not isinstance(target, dict):
+            return schema
+        siblings = {k: v for k, v in schema.items() if k != "$ref"}
+        schema = {**target, **siblings}
+    return schema
+
+
+def json_types(schema: Any) -> set[str]:
     """JSON types a schema admits, looking through anyOf/oneOf/allOf, enum and const."""
     if not isinstance(schema, dict):
         return set()
@@ -29,7 +48,7 @@ def _types_of(schema: Any) -> set[str]:
         out.update(k for k in kind if isinstance(k, str))
     for key in ("anyOf", "oneOf", "allOf"):
         for sub in schema.get(key) or []:
-            out |= _types_of(sub)
+            out |= json_types(sub)
     values = list(schema.get("enum") or [])
     if "const" in schema:
         values.append(schema["const"])
@@ -70,7 +89,7 @@ def tool_table(tools: Any) -> dict[str, ToolSpec]:
         required = params.get("required") if isinstance(params.get("required"), list) else []
         table[name] = ToolSpec(
             name,
-            {k: frozenset(_types_of(v)) for k, v in props.items()},
+            {k: frozenset(json_types(resolve_ref(v, params))) for k, v in props.items()},
             tuple(r for r in required if isinstance(r, str)),
         )
     return table

@@ -11,7 +11,7 @@ Kept in its own module so a scripted test double can implement the same interfac
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,6 +55,22 @@ class TurnParser(Protocol):
         ...
 
 
+class GrammarText(Protocol):
+    """A compiled-to-text grammar (``chat.turn_grammar.GrammarText``)."""
+
+    @property
+    def lark(self) -> str: ...
+
+    def part_at_line(self, line: int) -> str | None: ...
+
+
+class GrammarSource(Protocol):
+    """What one turn must look like (``chat.TurnGrammar``); the engine supplies the token
+    ids of the format's markers and compiles the text against its tokenizer."""
+
+    def lark(self, token_ids: Mapping[str, int]) -> GrammarText: ...
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: Sequence[SegmentLike]
@@ -67,6 +83,9 @@ class GenerationRequest:
     # the ids are reused even when the template normalises the model's spacing; without
     # one the generated text is assumed to re-render verbatim.
     parser: Callable[[], TurnParser] | None = None
+    # Constrained decoding: every sampled token must continue this grammar (the engine
+    # masks the logits before temperature, top-k and top-p). None: unconstrained.
+    grammar: GrammarSource | None = None
 
 
 class EngineError(Exception):

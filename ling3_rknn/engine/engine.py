@@ -33,6 +33,7 @@ from .api import (
     SamplingParams,
     SegmentLike,
 )
+from .grammar_constraint import GrammarCompiler
 from .prefix_cache import PrefixCache
 from .prompt_encoder import PromptEncoder
 from .runner import Counters, Job, ModelLike, Runner, RunnerOptions, TokenizerLike
@@ -84,6 +85,7 @@ class Engine:
             for path, note in self._cache.notes():
                 self._encoder.restore_note(note, path)
         self._counters = Counters()
+        self._grammars = GrammarCompiler(tokenizer)
         self._runner = Runner(
             model,
             tokenizer,
@@ -184,6 +186,9 @@ class Engine:
                 raise InvalidRequest("the prompt is empty")
             if len(prompt.ids) >= self.max_context:
                 raise ContextLengthExceeded(len(prompt.ids), self.max_context)
+            constraint = None
+            if request.grammar is not None:
+                constraint = await asyncio.to_thread(self._grammars.compile, request.grammar)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
 
@@ -195,7 +200,7 @@ class Engine:
 
             job = Job(
                 prompt, settings, request.max_tokens, stops, emit,
-                parser=request.parser,
+                parser=request.parser, constraint=constraint,
             )
             with self._admission:
                 self._in_flight += 1

@@ -30,6 +30,7 @@ import numpy as np
 from ling3_rknn.chat.events import Finished, FinishReason, GenerationEvent, TextDelta, Usage
 
 from .api import EngineFailure, TurnParser
+from .grammar_constraint import TokenConstraint
 from .parsed_turn import ParsedTurn
 from .prefix_cache import PrefixCache
 from .prompt_encoder import EncodedPrompt, PromptEncoder, Transcript
@@ -85,6 +86,7 @@ class Job:
     emit: Callable[[GenerationEvent | BaseException], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     parser: Callable[[], TurnParser] | None = None
+    constraint: TokenConstraint | None = None  # the grammar every token must continue
 
 
 @dataclass
@@ -301,30 +303,43 @@ class Runner:
         reason: str = "length"
         t0 = time.perf_counter()
         evaluated = 0
+        constraint = job.constraint
         try:
             while True:
                 if job.cancel.is_set():
                     raise Cancelled
-                token = sampler.sample(logits[: self._sample_limit])
-                sampler.accept(token)
-                generated.append(token)
-                if token in self._stop_ids:
-                    reason = "eos"
+                row = logits[: self._sample_limit]
+                if constraint is not None:
+                    row = constraint.mask(row)
+                token = sampler.sample(row)
+                # Tokens the grammar forces after the sampled one join it in one model call.
+                batch = [token, *constraint.advance(token)] if constraint is not None else [token]
+                done = False
+                for token in batch:
+                    sampler.accept(token)
+                    generated.append(token)
+                    if token in self._stop_ids:
+                        reason = "eos"
+                        done = True
+                        break
+                    pending.append(token)
+                    text = stopper.feed(decoder.feed(token))
+                    if text:
+                        pieces.append(text)
+                        for event in turn.feed(TextDelta(text, tuple(pending))):
+                            job.emit(event)
+                        pending = []
+                    if stopper.stopped:
+                        reason = "stop_string"
+                        done = True
+                        break
+                    if len(generated) >= limit:
+                        done = True
+                        break
+                if done:
                     break
-                pending.append(token)
-                text = stopper.feed(decoder.feed(token))
-                if text:
-                    pieces.append(text)
-                    for event in turn.feed(TextDelta(text, tuple(pending))):
-                        job.emit(event)
-                    pending = []
-                if stopper.stopped:
-                    reason = "stop_string"
-                    break
-                if len(generated) >= limit:
-                    break
-                logits = self._forward([token])
-                evaluated += 1
+                logits = self._forward(batch)
+                evaluated += len(batch)
         finally:
             with self._counters.lock:
                 self._counters.decode_tokens += evaluated

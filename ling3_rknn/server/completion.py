@@ -87,6 +87,22 @@ def callable_tools(request: ChatRequest) -> Any:
     return request.tools if request.tool_choice != "none" else None
 
 
+def turn_grammar(request: ChatRequest) -> chat.TurnGrammar | None:
+    """The grammar a constrained request's answer must follow (docs/serving.md section 9);
+    a shape it cannot express is a 400 naming the request part."""
+    try:
+        return chat.turn_grammar(
+            request.tools,
+            tool_choice=request.tool_choice,  # type: ignore[arg-type]
+            forced_tool=request.forced_tool,
+            parallel_tool_calls=request.parallel_tool_calls,
+            thinking=request.enable_thinking,
+            response_schema=request.response_schema,
+        )
+    except chat.GrammarError as exc:
+        raise invalid_request(str(exc), param=exc.part) from None
+
+
 def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> GenerationRequest:
     stops = [*request.stop, END_OF_TURN_TEXT]
     return GenerationRequest(
@@ -100,6 +116,7 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
             thinking=request.enable_thinking,
             parallel_tool_calls=request.parallel_tool_calls,
         ),
+        grammar=turn_grammar(request),
     )
 
 

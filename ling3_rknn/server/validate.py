@@ -48,7 +48,7 @@ class ChatRequest:
     model: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
-    tool_choice: str  # "auto" or "none"
+    tool_choice: str  # "auto", "none" or "required" (also for a named tool)
     parallel_tool_calls: bool
     stream: bool
     include_usage: bool
@@ -56,6 +56,8 @@ class ChatRequest:
     stop: tuple[str, ...]
     sampling: SamplingParams
     enable_thinking: bool
+    forced_tool: str | None = None  # tool_choice names this tool
+    response_schema: dict[str, Any] | None = None  # response_format's JSON schema
 
 
 # ---- messages ---------------------------------------------------------------------------
@@ -173,17 +175,35 @@ def _tool(value: Any, path: str) -> dict[str, Any]:
     )
 
 
-def _tool_choice(value: Any, path: str) -> str:
-    if value in ("auto", "none"):
+def _tool_choice(value: Any, path: str) -> str | dict[str, str]:
+    """A mode ("auto", "none", "required") or ``{"name": ...}`` for a named tool."""
+    if value in ("auto", "none", "required"):
         return value
-    if value == "required" or isinstance(value, dict):
-        raise Invalid(
-            f"{path}: {value!r} is not supported yet (it needs constrained decoding); "
-            "use 'auto' or 'none'",
-            path,
+    if isinstance(value, dict):
+        named = json_object(
+            value, path,
+            {"type": one_of("function"),
+             "function": lambda v, p: json_object(v, p, {"name": _tool_name}, ("name",))},
+            ("type", "function"),
         )
-    fail(path, f"expected 'auto' or 'none', got {value!r}")
+        return {"name": named["function"]["name"]}
+    fail(path, f"expected 'auto', 'none', 'required' or a function object, got {value!r}")
     raise AssertionError("unreachable")
+
+
+def _resolved_tool_choice(
+    choice: str | dict[str, str], tools: list[dict[str, Any]] | None
+) -> tuple[str, str | None]:
+    """(mode, forced tool name) once the tools are known."""
+    if isinstance(choice, dict):
+        names = {t["function"]["name"] for t in tools or ()}
+        if choice["name"] not in names:
+            fail("tool_choice.function.name",
+                 f"{choice['name']!r} is not one of the declared tools")
+        return "required", choice["name"]
+    if choice == "required" and not tools:
+        fail("tool_choice", "'required' needs at least one tool in 'tools'")
+    return choice, None
 
 
 # ---- top level --------------------------------------------------------------------------
@@ -215,12 +235,38 @@ def _top_logprobs(value: Any, path: str) -> int:
     return 0
 
 
-def _response_format(value: Any, path: str) -> dict[str, Any]:
-    if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema"):
-        fail(
-            join(path, "type"), f"{value['type']!r} needs constrained decoding, not supported yet"
-        )
-    return json_object(value, path, {"type": one_of("text")}, ("type",))
+def _response_format(value: Any, path: str) -> dict[str, Any] | None:
+    """The content's JSON schema: None for "text", any object for "json_object"."""
+    fields = json_object(
+        value, path,
+        {"type": one_of("text", "json_object", "json_schema"), "json_schema": any_object},
+        ("type",),
+    )
+    kind = fields["type"]
+    if kind != "json_schema" and "json_schema" in fields:
+        fail(join(path, "json_schema"), f"only allowed with type 'json_schema', not {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if "json_schema" not in fields:
+        fail(join(path, "json_schema"), "this field is required with type 'json_schema'")
+    spec = json_object(
+        fields["json_schema"], join(path, "json_schema"),
+        {"name": _schema_name, "description": nullable(string), "schema": nullable(any_object),
+         "strict": nullable(boolean)},
+        ("name",),
+    )
+    # Without a schema any JSON value is valid; the answer is constrained either way, so
+    # "strict" changes nothing here.
+    return spec.get("schema") or {}
+
+
+def _schema_name(value: Any, path: str) -> str:
+    name = string(value, path)
+    if not TOOL_NAME.match(name):
+        fail(path, f"names must match {TOOL_NAME.pattern}, got {name!r}")
+    return name
 
 
 _TOP_LEVEL: dict[str, Check] = {
@@ -314,6 +360,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools = fields.get("tools") or None
         if tools:
             _duplicate_tool_names(tools)
+        tool_choice, forced_tool = _resolved_tool_choice(fields.get("tool_choice") or "auto",
+                                                         tools)
     except Invalid as exc:
         raise invalid_request(exc.message, exc.param) from None
     max_tokens = fields.get("max_completion_tokens") or fields.get("max_tokens")
@@ -332,7 +380,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         model=fields["model"],
         messages=body["messages"],
         tools=tools,
-        tool_choice=fields.get("tool_choice") or "auto",
+        tool_choice=tool_choice,
+        forced_tool=forced_tool,
         parallel_tool_calls=fields.get("parallel_tool_calls") is not False,
         stream=bool(fields.get("stream")),
         include_usage=bool(stream_options.get("include_usage")),
@@ -340,6 +389,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stop=fields.get("stop") or (),
         sampling=sampling,
         enable_thinking=_thinking(fields),
+        response_schema=fields.get("response_format"),
     )
 
 

@@ -1,0 +1,340 @@
+"""The grammar of one assistant turn, built per request, for constrained decoding.
+
+``tool_choice: "required"`` or a named tool, ``parallel_tool_calls: false`` and
+``response_format`` are served by masking the sampler with a grammar of the whole turn in
+Bailing V3's format (docs/serving.md section 9). The grammar is Lark text in llguidance's
+dialect, which the engine compiles against the tokenizer; this module only writes it, so the
+chat layer stays a leaf and the format's shape lives next to the parser that reads it back.
+
+Choices that keep what the grammar allows inside what ``StreamingParser`` accepts:
+
+* every marker is a token id (``<[id]>``), never text, and no free text may spell a marker:
+  text that spells ``</arg_value>`` would end a value for the parser (which reads text) but
+  not for the grammar;
+* calls are written in the template's own layout (``<tool_call>NAME\\n<arg_key>K</arg_key>
+  \\n<arg_value>V</arg_value>...\\n</tool_call>``, ``\\n`` between calls), so a forced turn
+  re-renders to the ids it was generated with and the prefix cache keeps hitting;
+* arguments follow the declaration order of the parameters, required ones present, optional
+  ones optional, none undeclared (the same fixed order llama.cpp and xgrammar use for JSON
+  objects: any-order with all-required is not context-free-small);
+* a string-only parameter is raw text (the template writes strings unquoted) honouring
+  ``enum``/``const``/``pattern``/``minLength``/``maxLength``; every other parameter is JSON
+  for its schema, compiled by llguidance's JSON-schema compiler, compact (``", "`` and
+  ``": "``) so a weak model cannot run away in whitespace. ``format`` is an annotation
+  (JSON Schema's default) and is not enforced on raw strings.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import markers
+from .tool_schema import json_types, resolve_ref
+
+ToolChoice = Literal["auto", "none", "required"]
+
+# llguidance's JSON compiler options for every embedded schema; a schema's own
+# "x-guidance" entries win.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Keywords a raw (unquoted) string value can honour; anything else on a string-only
+# parameter is refused rather than silently not enforced.
+_RAW_STRING_KEYWORDS = frozenset({
+    "type", "enum", "const", "pattern", "minLength", "maxLength", "format", "description",
+    "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment",
+})
+_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment"})
+
+
+class GrammarError(ValueError):
+    """The request asks for a shape this grammar cannot serve; ``part`` names where."""
+
+    def __init__(self, part: str, message: str) -> None:
+        super().__init__(f"{part}: {message}")
+        self.part = part
+
+
+@dataclass(frozen=True)
+class GrammarText:
+    """Lark text plus where each rule came from, so a compile error can name the request's
+    part (a tool parameter, the response schema) instead of a grammar line."""
+
+    lark: str
+    parts: Mapping[str, str] = field(default_factory=dict)  # rule name -> request part
+
+    def part_at_line(self, line: int) -> str | None:
+        """The request part whose rule is on 1-based ``line`` of ``lark``."""
+        lines = self.lark.splitlines()
+        if not 1 <= line <= len(lines):
+            return None
+        name = lines[line - 1].split(":", 1)[0].strip()
+        return self.parts.get(name)
+
+
+@dataclass(frozen=True)
+class TurnGrammar:
+    """What one assistant turn must look like."""
+
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: ToolChoice = "auto"
+    forced_tool: str | None = None  # a named tool_choice
+    parallel_tool_calls: bool = True
+    thinking: bool = True
+    response_schema: dict[str, Any] | None = None  # the content's JSON schema
+
+    def lark(self, token_ids: Mapping[str, int]) -> GrammarText:
+        """The grammar with the markers at ``token_ids`` (the tokenizer's special ids)."""
+        return _Builder(self, token_ids).build()
+
+
+def turn_grammar(
+    tools: Sequence[dict[str, Any]] | None,
+    *,
+    tool_choice: ToolChoice = "auto",
+    forced_tool: str | None = None,
+    parallel_tool_calls: bool = True,
+    thinking: bool = True,
+    response_schema: dict[str, Any] | None = None,
+) -> TurnGrammar | None:
+    """The turn's grammar, or None where the answer is free (plain ``auto`` with parallel
+    calls allowed, or ``none``, without a response format): those stay unconstrained.
+    Raises GrammarError naming the request part that cannot be served."""
+    tools = tuple(tools or ())
+    if forced_tool is not None and not any(_function(t).get("name") == forced_tool
+                                           for t in tools):
+        raise GrammarError("tool_choice", f"no declared tool is named {forced_tool!r}")
+    if tool_choice == "required" and not tools:
+        raise GrammarError("tool_choice", "'required' needs at least one declared tool")
+    calls_constrained = forced_tool is not None or tool_choice == "required" or (
+        tool_choice == "auto" and tools and not parallel_tool_calls
+    )
+    if not calls_constrained and response_schema is None:
+        return None
+    grammar = TurnGrammar(
+        tools if tool_choice != "none" else (),
+        tool_choice, forced_tool, parallel_tool_calls, thinking, response_schema,
+    )
+    # Built once with stand-in ids so a shape it cannot express is refused here, where the
+    # request is still at hand, rather than when the engine compiles it.
+    grammar.lark({m: i for i, m in enumerate(markers.CONTROL_MARKERS)})
+    return grammar
+
+
+def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    fn = tool.get("function")
+    return fn if isinstance(fn, dict) else tool
+
+
+def _literal(text: str) -> str:
+    """A Lark string literal; JSON's escapes are the ones llguidance reads."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _regex_body(regex: str) -> str:
+    """``regex`` inside a Lark ``/.../`` literal."""
+    return regex.replace("/", "\\/")
+
+
+# No free text may spell a marker the template writes (see the module docstring).
+_NO_MARKER = "~/(?s:.*(" + "|".join(
+    _regex_body(re.escape(m)) for m in markers.CONTROL_MARKERS
+) + ").*)/"
+
+
+class _Builder:
+    def __init__(self, spec: TurnGrammar, token_ids: Mapping[str, int]) -> None:
+        self._spec = spec
+        self._ids = token_ids
+        self._rules: list[str] = []
+        self._parts: dict[str, str] = {}
+
+    def build(self) -> GrammarText:
+        spec = self._spec
+        answer = self._answer()
+        if spec.thinking:
+            self._rule("start", f"REASONING? {self._token(markers.THINK_CLOSE)} {answer}")
+        else:
+            self._rule("start", answer)
+        self._rules.append(f"REASONING: /(?s:.+)/ & {_NO_MARKER}")
+        self._rules.append(f"TEXT: /(?s:.+)/ & {_NO_MARKER}")
+        return GrammarText("\n".join(self._rules) + "\n", dict(self._parts))
+
+    # -- structure -------------------------------------------------------------------
+
+    def _answer(self) -> str:
+        spec = self._spec
+        names = [spec.forced_tool] if spec.forced_tool else [
+            _function(t)["name"] for t in spec.tools
+        ]
+        calls = None
+        if names:
+            one = self._call_choice(names)
+            many = spec.parallel_tool_calls and spec.forced_tool is None
+            calls = f'{one} ("\\n" {one})*' if many else one
+        json_body = None
+        if spec.response_schema is not None:
+            json_body = self._json("content", spec.response_schema,
+                                   "response_format.json_schema.schema")
+        forced = spec.forced_tool is not None or spec.tool_choice == "required"
+        if forced:
+            assert calls is not None
+            return calls
+        if json_body is not None:
+            return f"({json_body} | {calls})" if calls else json_body
+        # auto, at most one call (parallel_tool_calls: false): content, then maybe a call.
+        assert calls is not None
+        return f"TEXT? {calls}?"
+
+    def _call_choice(self, names: list[str]) -> str:
+        rules = [self._call(i, name) for i, name in enumerate(names)]
+        if len(rules) == 1:
+            return rules[0]
+        self._rule("call", " | ".join(rules))
+        return "call"
+
+    def _call(self, index: int, name: str) -> str:
+        tool = next(t for t in self._spec.tools if _function(t).get("name") == name)
+        where = f"tools[{self._spec.tools.index(tool)}].function"
+        params = _function(tool).get("parameters") or {}
+        args = self._arguments(index, params, where)
+        rule = f"call_{index}"
+        body = [self._token(markers.TOOL_CALL_OPEN), _literal(name), '"\\n"']
+        if args:
+            body.append(args)
+        body += ['"\\n"', self._token(markers.TOOL_CALL_CLOSE)]
+        self._rule(rule, " ".join(body))
+        return rule
+
+    def _arguments(self, index: int, params: Mapping[str, Any], where: str) -> str:
+        if not isinstance(params, dict):
+            raise GrammarError(f"{where}.parameters", "must be a JSON-schema object")
+        properties = params.get("properties") or {}
+        if params.get("type", "object") != "object" or not isinstance(properties, dict):
+            raise GrammarError(
+                f"{where}.parameters",
+                "a forced call needs an object schema with 'properties'",
+            )
+        required = params.get("required") or []
+        unknown = [r for r in required if r not in properties]
+        if unknown:
+            raise GrammarError(f"{where}.parameters.required",
+                               f"{unknown[0]!r} is required but not declared in properties")
+        items = []
+        for j, (key, schema) in enumerate(properties.items()):
+            if not key or "<" in key:
+                raise GrammarError(f"{where}.parameters.properties",
+                                   f"parameter name {key!r} cannot be written in a call")
+            part = f"{where}.parameters.properties.{key}"
+            value, may_be_empty = self._value(f"v_{index}_{j}", resolve_ref(schema, params),
+                                              params, part)
+            rule = f"a_{index}_{j}"
+            self._rule(rule, " ".join(piece for piece in [
+                self._token(markers.ARG_KEY_OPEN), _literal(key),
+                self._token(markers.ARG_KEY_CLOSE), '"\\n"',
+                self._token(markers.ARG_VALUE_OPEN),
+                f"{value}?" if may_be_empty and value else value,
+                self._token(markers.ARG_VALUE_CLOSE),
+            ] if piece))
+            items.append(rule if key in required else f"{rule}?")
+        return " ".join(items)
+
+    # -- values ----------------------------------------------------------------------
+
+    def _value(
+        self, rule: str, schema: Any, root: Mapping[str, Any], part: str
+    ) -> tuple[str, bool]:
+        """The value's grammar symbol and whether the value may also be empty."""
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise GrammarError(part, "the parameter's schema must be an object")
+        types = json_types(schema)
+        if types == {"string"}:
+            return self._raw_string(rule, schema, part)
+        if not types and not (set(schema) - _ANNOTATIONS):
+            return "TEXT", True  # any value: raw text, read as JSON where it parses
+        defs = {k: root[k] for k in ("$defs", "definitions") if isinstance(root.get(k), dict)}
+        return self._json(rule, {**defs, **schema}, part), False
+
+    def _raw_string(self, rule: str, schema: Mapping[str, Any], part: str) -> tuple[str, bool]:
+        extra = sorted(set(schema) - _RAW_STRING_KEYWORDS)
+        if extra:
+            raise GrammarError(part, f"{extra[0]!r} is not supported on a string parameter of "
+                                     "a forced call (the value is written unquoted)")
+        choices = list(schema.get("enum") or [])
+        if "const" in schema:
+            choices = [schema["const"]]
+        if choices:
+            strings = [c for c in choices if isinstance(c, str)]
+            if not strings:
+                raise GrammarError(part, "the enum has no string value for a string parameter")
+            literals = [_literal(s) for s in dict.fromkeys(strings) if s]
+            if not literals:
+                return "", True
+            self._rule(rule, " | ".join(literals))
+            self._parts[rule] = part
+            return rule, "" in strings
+        lo = schema.get("minLength", 0)
+        hi = schema.get("maxLength")
+        for name, bound in (("minLength", lo), ("maxLength", hi)):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
+                                      or bound < 0):
+                raise GrammarError(part, f"{name} must be a non-negative integer")
+        if hi is not None and hi < lo:
+            raise GrammarError(part, "maxLength is below minLength")
+        if hi == 0:
+            return "", True
+        pieces = ["/(?s:.+)/", _NO_MARKER]
+        if lo > 1 or hi is not None:
+            pieces.append(f"/(?s:.{{{max(lo, 1)},{'' if hi is None else hi}}})/")
+        pattern = schema.get("pattern")
+        if pattern is not None:
+            if not isinstance(pattern, str):
+                raise GrammarError(part, "pattern must be a string")
+            pieces.append(f"/{_regex_body(_full_match(pattern))}/")
+        lexeme = rule.upper()
+        self._rules.append(f"{lexeme}: {' & '.join(pieces)}")
+        self._parts[lexeme] = part
+        return lexeme, lo == 0 and _matches_empty(pattern)
+
+    def _json(self, rule: str, schema: Any, part: str) -> str:
+        if not isinstance(schema, dict):
+            raise GrammarError(part, "must be a JSON-schema object")
+        style = {**_JSON_STYLE, **(schema.get("x-guidance") or {})}
+        self._rule(rule, "%json " + json.dumps({**schema, "x-guidance": style}))
+        self._parts[rule] = part
+        return rule
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _token(self, marker: str) -> str:
+        token_id = self._ids.get(marker)
+        if token_id is None:
+            raise GrammarError("tokenizer", f"{marker} is not a token of this model")
+        return f"<[{int(token_id)}]>"
+
+    def _rule(self, name: str, body: str) -> None:
+        self._rules.append(f"{name}: {body}")
+
+
+def _matches_empty(pattern: str | None) -> bool:
+    """Whether an empty value satisfies ``pattern`` (Python's dialect is close enough to
+    ECMA's for this one question; a pattern it cannot read admits no empty value)."""
+    if pattern is None:
+        return True
+    try:
+        return re.search(pattern, "") is not None
+    except re.error:
+        return False
+
+
+def _full_match(pattern: str) -> str:
+    """JSON Schema's ``pattern`` finds a match anywhere; a Lark lexeme matches the whole
+    value, so an unanchored side is padded with ``.*``."""
+    head = pattern[1:] if pattern.startswith("^") else "(?s:.*)" + pattern
+    tail_anchored = head.endswith("$") and not head.endswith("\\$")
+    body = head[:-1] if tail_anchored else head
+    return f"(?:{body})" if tail_anchored else f"(?:{body})(?s:.*)"

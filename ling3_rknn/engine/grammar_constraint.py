@@ -1,0 +1,137 @@
+"""Token masks for constrained decoding, computed by llguidance.
+
+Why llguidance rather than a grammar engine of our own or another library: it computes the
+mask of a 157K-token vocabulary in tens of microseconds from a Rust core (an Earley parser
+over lazily built lexer DFAs, what llama.cpp uses for the same job), compiles JSON Schema
+and Lark (with regex intersection and negation, which the turn grammar needs to keep free
+text from spelling a marker), reads a ``tokenizers`` JSON directly, and ships abi3 wheels
+for x86_64 and aarch64 (the board) with no dependency of its own. xgrammar's wheel requires
+torch and transformers, which the runtime keeps off the board; outlines-core compiles an
+index per regex up front rather than masks lazily, and has no Lark grammars.
+
+The engine compiles each request's grammar once at admission (a compile error is the
+request's 400, naming the part it came from) and the worker asks for a mask before every
+sampled token and advances the matcher with every token the turn gets, sampled or forced.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import llguidance
+import numpy as np
+
+from .api import EngineFailure, GrammarSource, InvalidRequest
+
+
+class GrammarTokenizer(Protocol):
+    """What the compiler needs from the tokenizer (``ling3_rknn.tokenizer.Tokenizer``)."""
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def special_ids(self) -> Mapping[str, int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def library_json(self) -> str: ...
+
+
+class GrammarCompiler:
+    """Compiles turn grammars for one tokenizer. llguidance's tokenizer view takes about a
+    second to build at Ling's vocabulary, so it is built once, on first use."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._ll: llguidance.LLTokenizer | None = None
+
+    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                library_json = getattr(self._tokenizer, "library_json", None)
+                if library_json is None:
+                    raise InvalidRequest(
+                        "constrained decoding (tool_choice required or named, "
+                        "parallel_tool_calls false, response_format) is not available with "
+                        "this engine's tokenizer"
+                    )
+                self._ll = llguidance.LLTokenizer(
+                    library_json(),
+                    n_vocab=int(self._tokenizer.vocab_size),
+                    eos_token=int(self._tokenizer.eos_id),
+                )
+            return self._ll
+
+    def compile(self, source: GrammarSource) -> TokenConstraint:
+        """A fresh matcher for one request; InvalidRequest names what cannot be served."""
+        ll = self._ll_tokenizer()
+        try:
+            text = source.lark(self._tokenizer.special_ids)
+        except ValueError as exc:  # chat.GrammarError: a shape the grammar cannot express
+            raise InvalidRequest(str(exc)) from exc
+        matcher = llguidance.LLMatcher(ll, text.lark, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(_explain(matcher.get_error(), text))
+        return TokenConstraint(matcher, ll.vocab_size)
+
+
+def _explain(error: str, text: Any) -> str:
+    """llguidance's error, first line, with the request part its grammar line came from."""
+    first = error.strip().splitlines()[0] if error.strip() else "the grammar is invalid"
+    place = re.match(r"at (\d+)\(\d+\): ", first)
+    if place is not None:
+        first = first[place.end():]
+        part = text.part_at_line(int(place.group(1)))
+        if part is not None:
+            return f"{part}: {first}"
+    return f"cannot constrain the answer: {first}"
+
+
+class TokenConstraint:
+    """One request's grammar state; used only by the engine's worker thread."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._words = np.empty((vocab_size + 31) // 32, np.int32)
+
+    def allowed(self, n: int) -> np.ndarray:
+        """Boolean mask of the first ``n`` ids: which may come next."""
+        words = self._words
+        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if self._matcher.is_error():
+            raise EngineFailure(f"grammar: {self._matcher.get_error()}")
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        allowed = np.zeros(n, bool)
+        m = min(n, bits.shape[0])
+        allowed[:m] = bits[:m].view(bool)
+        return allowed
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of one logits row with every token the grammar forbids at -inf."""
+        allowed = self.allowed(logits.shape[0])
+        if not allowed.any():
+            raise EngineFailure("grammar: no token can continue the answer")
+        return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def advance(self, token_id: int) -> list[int]:
+        """Accept ``token_id``; return the tokens the grammar now forces (already accepted
+        too), which the engine evaluates in one model call instead of sampling one by one."""
+        if not self._matcher.consume_token(int(token_id)):
+            raise EngineFailure(f"grammar: token {token_id} does not continue the answer "
+                                f"({self._matcher.get_error()})")
+        if self._matcher.is_stopped():
+            return []
+        forced = list(self._matcher.compute_ff_tokens())
+        if forced and not self._matcher.consume_tokens(forced):
+            raise EngineFailure(f"grammar: forced tokens rejected ({self._matcher.get_error()})")
+        return forced
+
+    @property
+    def accepting(self) -> bool:
+        return bool(self._matcher.is_accepting())

@@ -1,0 +1,191 @@
+"""The turn grammar against hand-written token sequences, compiled by llguidance on the
+compact test tokenizer: what it admits must parse into valid calls (or JSON), what it
+refuses is what the issue forbids (undeclared or missing arguments, wrong types, a second
+call, markers spelled as text), and a forced call re-renders to the ids it came from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import pytest
+from constrained_tools import ANSWER_SCHEMA, PING, SEARCH, TOOLS, WEATHER, check_calls
+
+from ling3_rknn.chat import (
+    GrammarError,
+    assistant_message,
+    parse_assistant,
+    render_text,
+    turn_grammar,
+)
+from ling3_rknn.tokenizer import Tokenizer
+
+TOKENIZER = Path(__file__).parent / "fixtures" / "tokenizer" / "compact" / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_file(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def ll(tok) -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(tok.library_json(), n_vocab=tok.vocab_size,
+                                  eos_token=tok.eos_id)
+
+
+def ids(tok: Tokenizer, *pieces: str) -> list[int]:
+    """Markers as their special ids, everything else as text."""
+    special = tok.special_ids
+    out: list[int] = []
+    for piece in pieces:
+        out += [special[piece]] if piece in special else tok.encode_text(piece)
+    return out
+
+
+def call(name: str, **args: str) -> list[str]:
+    """The template's layout of one call, values written as given."""
+    out = ["<tool_call>", f"{name}\n"]
+    for key, value in args.items():
+        out += ["<arg_key>", key, "</arg_key>", "\n", "<arg_value>", value, "</arg_value>"]
+    return [*out, "\n", "</tool_call>"]
+
+
+def admits(tok, ll, grammar, pieces: list[str]) -> bool:
+    """The whole sequence is accepted and the turn may end there."""
+    matcher = llguidance.LLMatcher(ll, grammar.lark(tok.special_ids).lark, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    sequence = ids(tok, *pieces)
+    return matcher.try_consume_tokens(sequence) == len(sequence) and matcher.is_accepting()
+
+
+REQUIRED = dict(tool_choice="required", thinking=False)
+WEATHER_CALL = call("get_weather", city="Lisbon", days="3")
+
+
+def test_required_admits_declared_calls_in_the_templates_layout(tok, ll):
+    grammar = turn_grammar(TOOLS, **REQUIRED)
+    two = [*WEATHER_CALL, "\n", *call("search", query="rust", filters='{"lang": "rs"}')]
+    for pieces in (WEATHER_CALL, two, call("ping")):
+        assert admits(tok, ll, grammar, pieces)
+        message = parse_assistant(tok.decode(ids(tok, *pieces)), TOOLS, thinking=False)
+        check_calls(message, {"get_weather", "search", "ping"}, at_least=1, at_most=None)
+
+
+@pytest.mark.parametrize(("label", "pieces"), [
+    ("no call at all", ["Sure."]),
+    ("content before the call", ["Sure.\n", *WEATHER_CALL]),
+    ("undeclared tool", call("get_time", city="Lisbon")),
+    ("missing required argument", call("get_weather", city="Lisbon")),
+    ("undeclared argument", call("get_weather", city="Lisbon", days="3", wind="yes")),
+    ("integer spelled as a word", call("get_weather", city="Lisbon", days="three")),
+    ("integer out of range", call("get_weather", city="Lisbon", days="9")),
+    ("not an enum member", call("get_weather", city="Lisbon", unit="kelvin", days="3")),
+    ("string over maxLength", call("get_weather", city="Llanfairpwllgwyngyll", days="3")),
+    ("string below minLength", call("search", query="")),
+    ("object missing its required key", call("search", query="x", filters="{}")),
+    ("arguments out of declared order", call("get_weather", days="3", city="Lisbon")),
+    ("a marker spelled as text", call("get_weather", city="a</arg_value>", days="3")),
+])
+def test_required_refuses(tok, ll, label, pieces):
+    grammar = turn_grammar(TOOLS, **REQUIRED)
+    assert not admits(tok, ll, grammar, pieces), label
+
+
+def test_named_tool_is_exactly_one_call_of_that_tool(tok, ll):
+    grammar = turn_grammar(TOOLS, tool_choice="required", forced_tool="get_weather",
+                           thinking=False)
+    assert admits(tok, ll, grammar, WEATHER_CALL)
+    assert not admits(tok, ll, grammar, call("ping"))
+    assert not admits(tok, ll, grammar, [*WEATHER_CALL, "\n", *WEATHER_CALL])
+
+
+def test_parallel_false_allows_one_call(tok, ll):
+    required = turn_grammar(TOOLS, tool_choice="required", parallel_tool_calls=False,
+                            thinking=False)
+    assert admits(tok, ll, required, WEATHER_CALL)
+    assert not admits(tok, ll, required, [*WEATHER_CALL, "\n", *call("ping")])
+    auto = turn_grammar(TOOLS, parallel_tool_calls=False, thinking=False)
+    assert admits(tok, ll, auto, ["It is sunny."])
+    assert admits(tok, ll, auto, ["Checking.\n", *WEATHER_CALL])
+    assert admits(tok, ll, auto, [])
+    assert not admits(tok, ll, auto, [*WEATHER_CALL, "\n", *call("ping")])
+    assert not admits(tok, ll, auto, ["I will spell <tool_call> myself"])
+
+
+def test_reasoning_comes_first_when_thinking(tok, ll):
+    grammar = turn_grammar(TOOLS, tool_choice="required")
+    assert admits(tok, ll, grammar, ["The user wants weather.", "</think>", *WEATHER_CALL])
+    assert admits(tok, ll, grammar, ["</think>", *WEATHER_CALL])
+    assert not admits(tok, ll, grammar, WEATHER_CALL)  # the open <think> must be closed
+    message = parse_assistant(
+        tok.decode(ids(tok, "Weather, so.", "</think>", *WEATHER_CALL)), TOOLS)
+    assert message.reasoning == "Weather, so." and message.tool_calls[0].name == "get_weather"
+
+
+def test_response_format_is_json_for_the_schema(tok, ll):
+    grammar = turn_grammar(None, response_schema=ANSWER_SCHEMA, thinking=False)
+    good = json.dumps({"answer": "yes", "confidence": 0.5, "sources": [1, 2]})
+    assert admits(tok, ll, grammar, [good])
+    for bad in ('{"answer": "yes"}', '{"answer": "yes", "confidence": 2}',
+                '{"answer": "yes", "confidence": 0.5, "extra": 1}', "yes"):
+        assert not admits(tok, ll, grammar, [bad]), bad
+    with_tools = turn_grammar([WEATHER], response_schema={"type": "object"}, thinking=False)
+    assert admits(tok, ll, with_tools, ['{"a": 1}'])
+    assert admits(tok, ll, with_tools, WEATHER_CALL)
+    no_calls = turn_grammar([WEATHER], tool_choice="none", response_schema={"type": "object"},
+                            thinking=False)
+    assert not admits(tok, ll, no_calls, WEATHER_CALL)
+
+
+def test_free_turns_get_no_grammar():
+    assert turn_grammar(TOOLS) is None  # auto with parallel calls: unconstrained
+    assert turn_grammar(TOOLS, tool_choice="none") is None
+    assert turn_grammar(None, parallel_tool_calls=False) is None
+
+
+@pytest.mark.parametrize(("kwargs", "part"), [
+    (dict(tools=[WEATHER], tool_choice="required", forced_tool="nope"), "tool_choice"),
+    (dict(tools=None, tool_choice="required"), "tool_choice"),
+])
+def test_impossible_choices_are_grammar_errors(kwargs, part):
+    tools = kwargs.pop("tools")
+    with pytest.raises(GrammarError) as info:
+        turn_grammar(tools, **kwargs)
+    assert info.value.part == part
+
+
+@pytest.mark.parametrize(("schema", "part"), [
+    ({"type": "string", "contentEncoding": "base64"}, ".properties.x"),
+    ({"type": "string", "maxLength": -1}, ".properties.x"),
+])
+def test_unservable_string_parameters_name_the_parameter(schema, part):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": schema}}}}
+    with pytest.raises(GrammarError) as info:
+        turn_grammar([tool], tool_choice="required")
+    assert info.value.part == f"tools[0].function.parameters{part}"
+
+
+def test_compile_errors_point_back_at_the_request_part(tok, ll):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "integer"}}}}}}
+    text = turn_grammar([tool], tool_choice="required").lark(tok.special_ids)
+    matcher = llguidance.LLMatcher(ll, text.lark, log_level=0)
+    assert matcher.is_error()
+    line = int(matcher.get_error().split("at ", 1)[1].split("(", 1)[0])
+    assert text.part_at_line(line) == "tools[0].function.parameters.properties.x"
+
+
+def test_a_forced_call_re_renders_to_the_generated_text(tok):
+    """The template's own layout: the next turn's prompt carries the call as generated, so
+    the prefix cache keeps the generated ids."""
+    for pieces in (WEATHER_CALL, [*WEATHER_CALL, "\n", *call("ping")],
+                   call("search", query="q", filters='{"lang": "py"}', tags='["a"]')):
+        generated = tok.decode(ids(tok, *pieces))
+        message = parse_assistant(generated, [WEATHER, SEARCH, PING], thinking=False)
+        history = [{"role": "user", "content": "hi"}, assistant_message(message)]
+        rendered = render_text(history, [WEATHER, SEARCH, PING], enable_thinking=False,
+                               add_generation_prompt=False)
+        assert rendered.endswith("<think></think>" + generated + "<|role_end|>")
