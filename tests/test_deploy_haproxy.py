@@ -209,7 +209,7 @@ async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], *
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status != 200:
             raise AssertionError(f"HTTP {r.status}: {await r.text()}")
-        board = r.headers["x-ling3-board"]
+        board = r.headers.get("x-ling3-board", url)  # HAProxy names the board; direct: url
         if not stream:
             data = await r.json()
             usage = data["usage"]
