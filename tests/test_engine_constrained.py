@@ -1,0 +1,186 @@
+"""Constrained decoding through the real engine: the numpy model with random weights (which
+has no idea what a tool call is), the compact tokenizer, llguidance masks. Whatever the seed,
+temperature or truncation settings, a constrained turn must parse into valid calls of the
+allowed tools with schema-valid arguments, or into JSON valid for the response schema."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from constrained_tools import ANSWER_SCHEMA, TOOLS, check_calls
+from engine_tiny_model import make_tiny_checkpoint
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ling3_rknn.chat import (
+    Finished,
+    StreamingParser,
+    ToolCallParsed,
+    assistant_message,
+    parse_assistant,
+    render,
+    turn_grammar,
+)
+from ling3_rknn.engine import Engine, GenerationRequest, InvalidRequest, SamplingParams
+from ling3_rknn.model import Model
+from ling3_rknn.tokenizer import Tokenizer
+
+TOKENIZER = Path(__file__).parent / "fixtures" / "tokenizer" / "compact" / "tokenizer.json"
+USER = {"role": "user", "content": "What is the weather in Lisbon?"}
+NAMES = {t["function"]["name"] for t in TOOLS}
+
+
+class CallCounter:
+    """Delegates to the real model and records how many ids each forward call carried."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+        self.config = model.config
+        self.calls: list[int] = []
+
+    def new_state(self):
+        return self._model.new_state()
+
+    def forward(self, token_ids, state, *, last_only: bool = False):
+        self.calls.append(len(token_ids))
+        return self._model.forward(token_ids, state, last_only=last_only)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> CallCounter:
+    return CallCounter(Model.from_hf(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = Engine(model, Tokenizer.from_file(TOKENIZER), model_id="tiny", max_context=2048,
+                    checkpoint_min_tokens=8)
+    yield engine
+    engine.close()
+
+
+DEFAULT_SAMPLING = SamplingParams()
+
+
+async def constrained(engine, messages, *, tools=TOOLS, sampling=DEFAULT_SAMPLING,
+                      max_tokens=160, **choice):
+    """One turn with the grammar the server would build; returns (Finished, calls)."""
+    request = GenerationRequest(
+        render(messages, tools, enable_thinking=False), sampling, max_tokens=max_tokens,
+        parser=functools.partial(StreamingParser, tools, thinking=False,
+                                 parallel_tool_calls=choice.get("parallel_tool_calls", True)),
+        grammar=turn_grammar(tools, thinking=False, **choice),
+    )
+    events = [e async for e in engine.generate(request)]
+    await engine.idle()
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    return finished, [e.call for e in events if isinstance(e, ToolCallParsed)]
+
+
+MODES = {
+    "named": (dict(tool_choice="required", forced_tool="get_weather"), {"get_weather"}, 1, 1),
+    "required": (dict(tool_choice="required"), NAMES, 1, None),
+    "required, one call": (dict(tool_choice="required", parallel_tool_calls=False), NAMES, 1, 1),
+    "auto, one call": (dict(parallel_tool_calls=False), NAMES, 0, 1),
+}
+SAMPLING = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.0, 1.6]),
+    top_k=st.sampled_from([None, 1, 5, 40]),
+    top_p=st.sampled_from([None, 0.5, 0.95]),
+    min_p=st.sampled_from([None, 0.1]),
+    repetition_penalty=st.sampled_from([None, 1.3]),
+    seed=st.integers(0, 2**31),
+)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@settings(max_examples=10, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sampling=SAMPLING)
+async def test_forced_calls_are_valid_whatever_the_sampling(engine, mode, sampling):
+    choice, allowed, at_least, at_most = MODES[mode]
+    finished, calls = await constrained(engine, [USER], sampling=sampling, **choice)
+    message = parse_assistant(finished.text, TOOLS, thinking=False,
+                              parallel_tool_calls=choice.get("parallel_tool_calls", True))
+    assert [c.name for c in message.tool_calls] == [c.name for c in calls]
+    if finished.finish_reason == "length":
+        # max_tokens cut the turn (free content, or a model that keeps adding parallel
+        # calls): whatever was completed is still valid and never exceeds the count.
+        assert at_most is None or at_most > 1 or mode.startswith("auto")
+        check_calls(message, allowed, at_least=0, at_most=at_most)
+        return
+    assert finished.finish_reason == "stop", finished.text
+    check_calls(message, allowed, at_least=at_least, at_most=at_most)
+    if at_least:
+        assert message.content == "", finished.text
+
+
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sampling=SAMPLING)
+async def test_response_format_is_valid_json_whatever_the_sampling(engine, sampling):
+    finished, calls = await constrained(engine, [USER], tools=None, sampling=sampling,
+                                        tool_choice="none", response_schema=ANSWER_SCHEMA)
+    assert finished.finish_reason == "stop" and calls == []
+    jsonschema.validate(json.loads(finished.text), ANSWER_SCHEMA)
+
+
+async def test_forced_tokens_share_one_model_call(engine, model):
+    """After ``<tool_call>`` the named tool's name and first key are forced: the engine
+    evaluates them together instead of sampling each."""
+    greedy = SamplingParams(temperature=0)
+    await constrained(engine, [USER], sampling=greedy)  # the prompt is in the cache now
+    model.calls.clear()
+    finished, calls = await constrained(engine, [USER], sampling=greedy,
+                                        tool_choice="required", forced_tool="get_weather")
+    assert calls and finished.finish_reason == "stop"
+    assert finished.usage.cached_tokens == finished.usage.prompt_tokens
+    # every generated token evaluated once (the last, <|role_end|>, by the end-of-turn
+    # snapshot), in fewer calls than tokens
+    assert sum(model.calls) == finished.usage.completion_tokens
+    assert max(model.calls) > 3 and len(model.calls) < finished.usage.completion_tokens
+
+
+async def test_a_forced_turn_is_reused_by_the_next_turn(engine):
+    """The grammar writes the template's layout, so the next request, carrying the call
+    back, hits the prefix cache past the end of the generated turn."""
+    greedy = SamplingParams(temperature=0)
+    first, _ = await constrained(engine, [USER], sampling=greedy, tool_choice="required",
+                                 forced_tool="get_weather")
+    message = parse_assistant(first.text, TOOLS, thinking=False)
+    history = [USER, assistant_message(message),
+               {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    second, _ = await constrained(engine, history, sampling=greedy, tool_choice="required",
+                                  forced_tool="get_weather")
+    covered = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.cached_tokens >= covered
+
+
+async def test_a_grammar_the_library_cannot_compile_is_invalid_request(engine):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "integer"}}}}}}
+    with pytest.raises(InvalidRequest, match=r"tools\[0\].function.parameters.properties.x"):
+        await constrained(engine, [USER], tools=[tool], tool_choice="required")
+    # the engine is untouched: the next request runs
+    _, calls = await constrained(engine, [USER], tool_choice="required",
+                                 forced_tool="get_weather")
+    assert calls
+
+
+async def test_a_tokenizer_without_a_library_form_refuses_constraints(model):
+    class Plain:
+        def __init__(self, tok: Tokenizer) -> None:
+            self._tok = tok
+
+        def __getattr__(self, name):
+            if name == "library_json":
+                raise AttributeError(name)
+            return getattr(self._tok, name)
+
+    plain = Engine(model, Plain(Tokenizer.from_file(TOKENIZER)), model_id="t", max_context=2048)
+    with plain, pytest.raises(InvalidRequest, match="not available"):
+        await constrained(plain, [USER], tool_choice="required")

@@ -1,0 +1,126 @@
+"""Constrained decoding end to end with no test double: the embedded demo model behind the
+real server, driven by the official openai SDK: a named tool, ``"required"``,
+``parallel_tool_calls: false`` and ``response_format`` from a Pydantic model via
+``client.chat.completions.parse`` / ``.stream``, non-stream and stream."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_harness import running_server
+from test_demo_agent import TOOLS
+
+from ling3_rknn.demo import DEMO_MODEL_ID, load_demo_engine
+
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+class CityReport(BaseModel):
+    """Bounded fields: the demo model never learnt JSON, the grammar still makes it close."""
+
+    city: str = Field(max_length=16)
+    temperature_c: int = Field(ge=-60, le=60)
+    sunny: bool
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    engine = load_demo_engine()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+async def client(demo_engine):
+    async with running_server(demo_engine) as srv:
+        client = openai.AsyncOpenAI(base_url=srv.v1, api_key="none", max_retries=0)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
+async def complete(client, stream: bool, **kwargs):
+    """One chat completion, assembled by the SDK when streamed."""
+    kwargs = {"model": DEMO_MODEL_ID, "max_tokens": 96, **kwargs}
+    if not stream:
+        return await client.chat.completions.create(**kwargs)
+    async with client.chat.completions.stream(**kwargs) as events:
+        async for _ in events:
+            pass
+        return await events.get_final_completion()
+
+
+def valid_calls(message, allowed: set[str]) -> list:
+    for call in message.tool_calls or []:
+        assert call.function.name in allowed
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, {**SCHEMAS[call.function.name],
+                                        "additionalProperties": False})
+    return message.tool_calls or []
+
+
+STREAMS = pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+
+
+@STREAMS
+async def test_named_tool_overrides_the_models_choice(client, stream):
+    """The demo model would answer a weather question with get_weather; naming get_time
+    forces that tool, and the model still fills the city it was asked about."""
+    done = await complete(
+        client, stream, tools=TOOLS,
+        messages=[{"role": "user", "content": "What's the weather like in Lisbon?"}],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = valid_calls(choice.message, {"get_time"})
+    assert json.loads(call.function.arguments) == {"city": "Lisbon"}
+
+
+@STREAMS
+async def test_required_makes_small_talk_call_a_tool(client, stream):
+    """Unconstrained, the demo answers small talk in words (test_demo_agent); "required"
+    turns the same request into calls of declared tools with valid arguments."""
+    done = await complete(
+        client, stream, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "Hello! Who are you?"}],
+    )
+    choice = done.choices[0]
+    if choice.finish_reason == "length":  # a free string the model did not close
+        pytest.fail(f"the forced call did not finish in 96 tokens: {choice.message}")
+    assert choice.finish_reason == "tool_calls"
+    assert len(valid_calls(choice.message, set(SCHEMAS))) == 1
+
+
+@STREAMS
+async def test_parse_with_a_pydantic_model(client, stream):
+    messages = [{"role": "user", "content": "Report the weather in Paris as JSON."}]
+    if stream:
+        async with client.chat.completions.stream(
+            model=DEMO_MODEL_ID, messages=messages, response_format=CityReport, max_tokens=96,
+        ) as events:
+            async for _ in events:
+                pass
+            done = await events.get_final_completion()
+    else:
+        done = await client.chat.completions.parse(
+            model=DEMO_MODEL_ID, messages=messages, response_format=CityReport, max_tokens=96)
+    message = done.choices[0].message
+    assert isinstance(message.parsed, CityReport), message
+    assert CityReport.model_validate_json(message.content) == message.parsed
+
+
+async def test_json_object_mode(client):
+    done = await complete(client, False, response_format={"type": "json_object"},
+                          messages=[{"role": "user", "content": "Give me an object."}],
+                          max_tokens=200)
+    choice = done.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # an unbounded object may run to max_tokens; it is still a JSON prefix
+        assert choice.message.content.startswith("{")
