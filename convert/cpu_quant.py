@@ -7,7 +7,8 @@ accuracy-level-4 kernels quantize the activations to int8 and use the integer do
 instructions (AVX2/AVX-VNNI on x86, SDOT/I8MM on the RK3588's A76). onnxruntime's own
 quantizer does the rewrite (``MatMulNBitsQuantizer``), so the packing always matches the
 kernel of the installed onnxruntime. The batched per-head products of MLA (3-D weights)
-stay fp32; they are small.
+stay fp32; they are small. ``convert/cpu_graph.py`` then merges the graph into fewer,
+larger nodes for onnxruntime (one MatMulNBits per input, fused RMSNorm).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from pathlib import Path
 
 import onnx
 
+from convert.cpu_graph import fuse_for_cpu
 
-def quantize_matmuls(src: Path, *, bits: int, block_size: int, accuracy_level: int
-                     ) -> onnx.ModelProto:
+
+def quantize_matmuls(src: Path, *, bits: int, block_size: int, accuracy_level: int,
+                     fuse: bool = True) -> onnx.ModelProto:
     """The fp32 graph at ``src`` (external data next to it) with its 2-D constant MatMuls
-    as symmetric ``bits``-bit MatMulNBits; returns the model with every weight inline."""
+    as symmetric ``bits``-bit MatMulNBits, fused for onnxruntime (``fuse_for_cpu``,
+    unless ``fuse`` is false); returns the model with every weight inline."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
@@ -38,4 +42,4 @@ def quantize_matmuls(src: Path, *, bits: int, block_size: int, accuracy_level: i
                                      is_symmetric=True, accuracy_level=accuracy_level,
                                      algo_config=config)
     quantizer.process()
-    return quantizer.model.model
+    return fuse_for_cpu(quantizer.model.model) if fuse else quantizer.model.model

@@ -312,10 +312,16 @@ def ensure_checkpoint(work: Path, oracle_python: Path, seed: int) -> Path:
     return ckpt
 
 
+# Bumped when the converter's --target cpu output changes, so a cached bundle is rebuilt
+# (2: stage graphs fused for onnxruntime, convert/cpu_graph.py).
+BUNDLE_REVISION = 2
+
+
 def ensure_bundle(ckpt: Path, work: Path, cli: list[str]) -> Path:
     bundle = work / "bundle-cpu-int8"
     stamp = bundle / "bench_source.json"
     source = json.loads((ckpt / "bench_stamp.json").read_text())
+    source["bundle_revision"] = BUNDLE_REVISION
     if stamp.exists() and json.loads(stamp.read_text()) == source:
         return bundle
     log(f"converting to {bundle} ...")
