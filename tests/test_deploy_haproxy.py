@@ -6,7 +6,8 @@ reads (listen addresses, the boards' ports, a fast health-check interval). Check
 conversations keyed by ``prompt_cache_key`` stay on one board (every later turn is answered
 from that board's prefix cache), the header fallbacks route the same way, and a board
 stopped with SIGTERM mid-run drains: its running requests finish there, new ones go to
-another board, no request fails, and HAProxy's stats show it DOWN.
+another board, no request fails, and HAProxy's stats show it DOWN; a board whose queue is
+full answers 503 + Retry-After, which HAProxy resends to another board.
 
 Needs the Debian ``haproxy`` package (``make system-tools`` installs it); skipped without.
 Figures (hit rate, HAProxy's added latency): ``tests/bench/bench_fleet.py``.
@@ -118,7 +119,8 @@ def _stop(process: subprocess.Popen) -> None:
 
 @contextlib.asynccontextmanager
 async def local_fleet(workdir: Path, n: int = 3, drain_s: float = 6.0,
-                      check_inter: str = "300ms") -> AsyncIterator[Fleet]:
+                      check_inter: str = "300ms",
+                      serve_args: tuple[str, ...] = ()) -> AsyncIterator[Fleet]:
     """``n`` demo servers on loopback and HAProxy (the shipped cfg) in front of them."""
     assert n <= 3, "the shipped cfg names three boards"
     env = {k: v for k, v in os.environ.items() if k != "LING3_RKNN_API_KEY"}
@@ -131,7 +133,7 @@ async def local_fleet(workdir: Path, n: int = 3, drain_s: float = 6.0,
             with log.open("w") as out:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "ling3_rknn.cli", "serve", "--port", "0",
-                     "--threads", "1", "--drain-seconds", str(drain_s)],
+                     "--threads", "1", "--drain-seconds", str(drain_s), *serve_args],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
             boards.append(Board(f"board{i}", process, log))
         for board in boards:
@@ -355,3 +357,47 @@ async def test_routing_key_fallbacks(tmp_path):
                                         "authorization": b}) == placed["prompt_cache_key"][a]
         assert await board_for(headers={"session_id": a, "authorization": b}) \
             == placed["prompt_cache_key"][a]
+
+
+async def metric(session: aiohttp.ClientSession, base: str, name: str) -> float:
+    async with session.get(base + "/metrics") as r:
+        text = await r.text()
+    return float(re.search(rf"(?m)^{name} (\S+)$", text).group(1))
+
+
+async def wait_metric(session: aiohttp.ClientSession, base: str, name: str,
+                      value: float) -> None:
+    deadline = time.monotonic() + 30
+    while await metric(session, base, name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_busy_board_refuses_and_haproxy_sends_the_request_elsewhere(tmp_path):
+    """A board whose queue is full answers 503 + Retry-After; through HAProxy the same
+    request is resent to another board and answered."""
+    async with local_fleet(tmp_path, serve_args=("--max-queue", "1")) as fleet, \
+            aiohttp.ClientSession() as session:
+        key = "busy"
+        board = fleet.board((await chat(session, fleet.base, [{"role": "user", "content": "Hi."}],
+                                        key=key, max_tokens=1)).board)
+        # Two long prompts no cache holds (seconds of prefill each): one running, one waiting.
+        def long(tag: str) -> list[dict]:
+            return [{"role": "user",
+                     "content": " ".join(f"{tag} city{i} is sunny" for i in range(120))}]
+
+        started = await metric(session, board.base, "ling3_engine_requests_total")
+        first = asyncio.create_task(chat(session, fleet.base, long("a"), key=key, max_tokens=1))
+        await wait_metric(session, board.base, "ling3_engine_requests_total", started + 1)
+        second = asyncio.create_task(chat(session, fleet.base, long("b"), key=key, max_tokens=1))
+        await wait_metric(session, board.base, "ling3_queue_depth", 1)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 1}
+        async with session.post(board.base + "/v1/chat/completions", json=body) as r:
+            assert r.status == 503
+            assert int(r.headers["Retry-After"]) >= 1
+            assert (await r.json())["error"]["code"] == "server_busy"
+        third = await chat(session, fleet.base, [{"role": "user", "content": "Hi."}], key=key,
+                           max_tokens=1)
+        assert third.board != board.name
+        assert await metric(session, board.base, "ling3_queue_depth") == 1  # still busy
+        assert {(await first).board, (await second).board} == {board.name}
