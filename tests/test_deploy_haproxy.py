@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import grp
 import io
 import itertools
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -160,6 +162,9 @@ async def local_fleet(workdir: Path, n: int = 3, drain_s: float = 6.0,
             "LING3_STATS_SOCKET": str(sock_dir / "admin.sock"),
             "LING3_CHECK_INTER": check_inter,
         }
+        if os.geteuid() != 0:  # only root can switch to the cfg's haproxy user
+            hap_env["LING3_HAPROXY_USER"] = pwd.getpwuid(os.getuid()).pw_name
+            hap_env["LING3_HAPROXY_GROUP"] = grp.getgrgid(os.getgid()).gr_name
         for i in range(1, 4):
             # A board the test does not start points at a closed port: it stays DOWN.
             port = boards[i - 1].port if i <= n else free_port()
