@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -42,14 +43,28 @@ class GrammarTokenizer(Protocol):
     def library_json(self) -> str: ...
 
 
+# llguidance allows a whole "slice" of the vocabulary at once where the lexer state admits
+# every token of it, and walks the token trie elsewhere (2-3 ms at 157K tokens). Its
+# general slices are cut for JSON strings; the turn grammar's free text admits anything
+# without "<" (chat/turn_grammar.py), so the first slices hold tokens that both admit.
+_COMMON = r'[^<"\\\x00-\x1F\x7F]'
+SLICES = [f"{_COMMON}{{1,10}}", f"{_COMMON}{{1,30}}", f"{_COMMON}+",
+          *llguidance.LLTokenizer.general_slices()]
+
+
 class GrammarCompiler:
     """Compiles turn grammars for one tokenizer. llguidance's tokenizer view takes about a
     second to build at Ling's vocabulary, so it is built once, on first use."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, cached_grammars: int = 16) -> None:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._ll: llguidance.LLTokenizer | None = None
+        # An agent sends the same tools every turn, so the same grammar: compiled matchers
+        # are kept by their text (LRU) and each request gets a copy in its start state
+        # (0.02 ms instead of ~10 ms for 20 tools).
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cached_grammars = cached_grammars
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -65,6 +80,7 @@ class GrammarCompiler:
                     library_json(),
                     n_vocab=int(self._tokenizer.vocab_size),
                     eos_token=int(self._tokenizer.eos_id),
+                    slices=SLICES,
                 )
             return self._ll
 
@@ -75,10 +91,19 @@ class GrammarCompiler:
             text = source.lark(self._tokenizer.special_ids)
         except ValueError as exc:  # chat.GrammarError: a shape the grammar cannot express
             raise InvalidRequest(str(exc)) from exc
-        matcher = llguidance.LLMatcher(ll, text.lark, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequest(_explain(matcher.get_error(), text))
-        return TokenConstraint(matcher, ll.vocab_size)
+        with self._lock:
+            start = self._compiled.get(text.lark)
+            if start is not None:
+                self._compiled.move_to_end(text.lark)
+        if start is None:
+            start = llguidance.LLMatcher(ll, text.lark, log_level=0)
+            if start.is_error():
+                raise InvalidRequest(_explain(start.get_error(), text))
+            with self._lock:
+                self._compiled[text.lark] = start
+                while len(self._compiled) > self._cached_grammars:
+                    self._compiled.popitem(last=False)
+        return TokenConstraint(start.deep_copy(), ll.vocab_size)
 
 
 def _explain(error: str, text: Any) -> str:
@@ -93,6 +118,15 @@ def _explain(error: str, text: Any) -> str:
     return f"cannot constrain the answer: {first}"
 
 
+# Bit j of mask byte b is token 8b + j (little-endian words): each byte value maps to the
+# additive biases of its 8 tokens, 0 or -inf, so a 157K-row mask is one gather and one add
+# (~0.07 ms, where np.where over a scattered boolean mask takes ~0.8 ms).
+_BYTE_BIAS = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+    np.float32(0.0), np.float32(-np.inf),
+).astype(np.float32)
+
+
 class TokenConstraint:
     """One request's grammar state; used only by the engine's worker thread."""
 
@@ -100,24 +134,19 @@ class TokenConstraint:
         self._matcher = matcher
         self._words = np.empty((vocab_size + 31) // 32, np.int32)
 
-    def allowed(self, n: int) -> np.ndarray:
-        """Boolean mask of the first ``n`` ids: which may come next."""
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of one logits row with every token the grammar forbids at -inf."""
         words = self._words
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self._matcher.is_error():
             raise EngineFailure(f"grammar: {self._matcher.get_error()}")
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-        allowed = np.zeros(n, bool)
-        m = min(n, bits.shape[0])
-        allowed[:m] = bits[:m].view(bool)
-        return allowed
-
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of one logits row with every token the grammar forbids at -inf."""
-        allowed = self.allowed(logits.shape[0])
-        if not allowed.any():
+        if not words.any():
             raise EngineFailure("grammar: no token can continue the answer")
-        return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+        n = logits.shape[0]
+        bias = np.take(_BYTE_BIAS, words.view(np.uint8), axis=0).reshape(-1)
+        if bias.shape[0] < n:  # ids past the tokenizer's vocabulary are never allowed
+            bias = np.concatenate([bias, np.full(n - bias.shape[0], -np.inf, np.float32)])
+        return logits + bias[:n]
 
     def advance(self, token_id: int) -> list[int]:
         """Accept ``token_id``; return the tokens the grammar now forces (already accepted
