@@ -184,3 +184,40 @@ async def test_a_tokenizer_without_a_library_form_refuses_constraints(model):
     plain = Engine(model, Plain(Tokenizer.from_file(TOKENIZER)), model_id="t", max_context=2048)
     with plain, pytest.raises(InvalidRequest, match="not available"):
         await constrained(plain, [USER], tool_choice="required")
+
+
+# -- the trained demo model ------------------------------------------------------------------
+
+DEMO_TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"]}}}
+    for name in ("get_weather", "get_time")
+]
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from ling3_rknn.demo import load_demo_engine
+
+    engine = load_demo_engine()
+    yield engine
+    engine.close()
+
+
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sampling=SAMPLING, question=st.sampled_from([
+    "What's the weather like in Lisbon?", "Hello! Who are you?", "Tell me a joke.",
+    "What time is it in Tokyo?"]), named=st.booleans())
+async def test_the_demo_model_forced_is_valid_whatever_the_sampling(
+        demo_engine, sampling, question, named):
+    forced = "get_time" if named else None
+    finished, calls = await constrained(
+        demo_engine, [{"role": "user", "content": question}], tools=DEMO_TOOLS,
+        sampling=sampling, max_tokens=64, tool_choice="required", forced_tool=forced,
+        parallel_tool_calls=False)
+    assert finished.finish_reason == "stop", finished.text
+    (call,) = calls
+    assert call.name == (forced or call.name) and call.name in {"get_weather", "get_time"}
+    jsonschema.validate(call.arguments, {**DEMO_TOOLS[0]["function"]["parameters"],
+                                         "additionalProperties": False})

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 UNIT = Path(__file__).resolve().parent.parent / "systemd" / "ling3-rknn.service"
+ENV_FILE = UNIT.with_name("ling3-rknn.env")
 INSTALL_PREFIX = "/opt/ling3-rknn/"
 
 pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
@@ -50,3 +51,11 @@ def test_a_broken_unit_is_caught(tmp_path):
     assert "Type=notify" in text  # the server sends READY=1 (ling3_rknn/server/sd_notify.py)
     rc, complaints = verify(text.replace("Type=notify", "Type=sometimes"), tmp_path)
     assert rc != 0 or "Type" in complaints or "service type" in complaints
+
+
+def test_every_variable_the_unit_uses_is_set_by_the_env_file():
+    """systemd expands an unset ${VAR} to nothing, which would shift serve's arguments."""
+    used = set(re.findall(r"\$\{(\w+)\}", UNIT.read_text()))
+    defined = {line.split("=", 1)[0] for line in ENV_FILE.read_text().splitlines()
+               if line and not line.startswith("#")}
+    assert used and used <= defined, used - defined
