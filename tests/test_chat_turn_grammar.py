@@ -114,6 +114,15 @@ def test_parallel_false_allows_one_call(tok, ll):
     assert not admits(tok, ll, auto, ["I will spell <tool_call> myself"])
 
 
+def test_strict_tools_constrain_auto_calls(tok, ll):
+    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}, PING]
+    grammar = turn_grammar(strict, thinking=False)
+    assert grammar is not None
+    assert admits(tok, ll, grammar, ["Let me check.\n", *WEATHER_CALL, "\n", *call("ping")])
+    assert admits(tok, ll, grammar, ["No tool needed."])
+    assert not admits(tok, ll, grammar, call("get_weather", city="Lisbon", days="soon"))
+
+
 def test_reasoning_comes_first_when_thinking(tok, ll):
     grammar = turn_grammar(TOOLS, tool_choice="required")
     assert admits(tok, ll, grammar, ["The user wants weather.", "</think>", *WEATHER_CALL])

@@ -124,3 +124,20 @@ async def test_json_object_mode(client):
         assert isinstance(json.loads(choice.message.content), dict)
     else:  # an unbounded object may run to max_tokens; it is still a JSON prefix
         assert choice.message.content.startswith("{")
+
+
+class GetWeather(BaseModel):
+    city: str = Field(description="The city name, e.g. Paris", max_length=24)
+
+
+async def test_parse_with_a_strict_pydantic_function_tool(client):
+    """openai.pydantic_function_tool declares ``strict: true``: under plain "auto" the call
+    is constrained, and the SDK parses its arguments into the model."""
+    done = await client.chat.completions.parse(
+        model=DEMO_MODEL_ID, max_tokens=96,
+        messages=[{"role": "user", "content": "What's the weather like in Lisbon?"}],
+        tools=[openai.pydantic_function_tool(GetWeather, name="get_weather",
+                                             description="Get the current weather in a city.")],
+    )
+    (call,) = done.choices[0].message.tool_calls
+    assert call.function.parsed_arguments == GetWeather(city="Lisbon")

@@ -124,8 +124,12 @@ def turn_grammar(
         raise GrammarError("tool_choice", f"no declared tool is named {forced_tool!r}")
     if tool_choice == "required" and not tools:
         raise GrammarError("tool_choice", "'required' needs at least one declared tool")
+    # Under "auto" a function declared ``strict: true`` (what the openai SDK's
+    # pydantic_function_tool sends) promises schema-valid arguments: the calls are then
+    # constrained too, every declared tool's, after free content.
+    strict = any(_function(t).get("strict") is True for t in tools)
     calls_constrained = forced_tool is not None or tool_choice == "required" or (
-        tool_choice == "auto" and tools and not parallel_tool_calls
+        tool_choice == "auto" and bool(tools) and (not parallel_tool_calls or strict)
     )
     if not calls_constrained and response_schema is None:
         return None
@@ -212,9 +216,9 @@ class _Builder:
             return calls
         if json_body is not None:
             return f"({json_body} | {calls})" if calls else json_body
-        # auto, at most one call (parallel_tool_calls: false): content, then maybe a call.
+        # auto (at most one call with parallel_tool_calls: false): content, then calls.
         assert calls is not None
-        return f"text? {calls}?"
+        return f"text? ({calls})?"
 
     def _call_choice(self, names: list[str]) -> str:
         rules = [self._call(i, name) for i, name in enumerate(names)]
