@@ -141,3 +141,21 @@ async def test_parse_with_a_strict_pydantic_function_tool(client):
     )
     (call,) = done.choices[0].message.tool_calls
     assert call.function.parsed_arguments == GetWeather(city="Lisbon")
+
+
+@pytest.mark.parametrize(("extra", "part", "keyword"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "integer"}}}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters.properties.x", "not"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "array", "contains": {"type": "integer"}}}}},
+     "response_format.json_schema.schema", "contains"),
+])
+async def test_a_schema_the_library_cannot_serve_is_400_naming_it(client, extra, part, keyword):
+    """Never a 500 and never an unconstrained answer: llguidance's refusal, with the part
+    of the request its grammar rule came from."""
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=DEMO_MODEL_ID, messages=[{"role": "user", "content": "hi"}], **extra)
+    message = info.value.body["message"]
+    assert part in message and keyword in message
