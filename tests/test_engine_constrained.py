@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 from constrained_tools import ANSWER_SCHEMA, TOOLS, check_calls
 from engine_tiny_model import make_tiny_checkpoint
@@ -143,6 +144,25 @@ async def test_forced_tokens_share_one_model_call(engine, model):
     # snapshot), in fewer calls than tokens
     assert sum(model.calls) == finished.usage.completion_tokens
     assert max(model.calls) > 3 and len(model.calls) < finished.usage.completion_tokens
+
+
+async def test_a_limit_inside_a_forced_run_leaves_a_correct_end_of_turn_snapshot(engine, model):
+    """max_tokens cuts a run of forced ids that were never evaluated: the end-of-turn
+    snapshot must evaluate them (and the end marker) before it is stored."""
+    messages = [{"role": "user", "content": "Weather in Porto, please."}]
+    finished, _ = await constrained(engine, messages, sampling=SamplingParams(temperature=0),
+                                    max_tokens=3, tool_choice="required",
+                                    forced_tool="get_weather")
+    assert finished.finish_reason == "length" and finished.usage.completion_tokens == 3
+    tok = Tokenizer.from_file(TOKENIZER)
+    prompt = tok.encode_segments(render(messages, TOOLS, enable_thinking=False))
+    generated = [tok.special_ids["<tool_call>"], *tok.encode_text("get_weather")][:3]
+    assert tok.decode(generated) == finished.text
+    path = [*prompt, *generated, tok.eos_id]
+    hit = engine._cache.lookup(path)
+    assert hit is not None and hit.depth == len(path)
+    cold = model._model.forward(path, model._model.new_state(), last_only=True)[-1]
+    np.testing.assert_allclose(hit.logits, cold, rtol=1e-4, atol=1e-4)
 
 
 async def test_a_forced_turn_is_reused_by_the_next_turn(engine):

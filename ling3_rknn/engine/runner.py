@@ -107,6 +107,17 @@ class Counters:
     cancelled: int = 0
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """How one generation ended."""
+
+    reason: str  # "eos", "length" or "stop_string"
+    generated: list[int]
+    unevaluated: list[int]  # generated ids (no end marker) the model has not evaluated yet
+    turn: ParsedTurn
+    finished: Finished
+
+
 class Cancelled(Exception):
     """The consumer went away; stop quietly."""
 
@@ -205,7 +216,7 @@ class Runner:
                 job.prompt.spliced_tokens,
                 len(ids) - depth,
             )
-            reason, generated, turn, finished = self._decode(job, logits, depth)
+            decoded = self._decode(job, logits, depth)
         except Cancelled:
             with self._counters.lock:
                 self._counters.cancelled += 1
@@ -220,8 +231,8 @@ class Runner:
         # The transcript is learnt before the client hears of the end, so a next turn sent
         # at once already reuses the generated ids; the end-of-turn snapshot follows and is
         # in place before the worker takes that next request.
-        remembered = self._remember_turn(job, reason, generated, turn, finished.text)
-        job.emit(finished)
+        remembered = self._remember_turn(job, decoded)
+        job.emit(decoded.finished)
         if remembered is not None:
             self._snapshot_turn(*remembered)
 
@@ -288,7 +299,7 @@ class Runner:
 
     def _decode(
         self, job: Job, logits: np.ndarray, depth: int
-    ) -> tuple[FinishReason | str, list[int], ParsedTurn, Finished]:
+    ) -> Decoded:
         ids = job.prompt.ids
         sampler = Sampler(job.settings, self._sample_limit, ids)
         turn = ParsedTurn(job.parser)
@@ -303,6 +314,7 @@ class Runner:
         reason: str = "length"
         t0 = time.perf_counter()
         evaluated = 0
+        forwarded = 0  # generated ids the model has evaluated
         constraint = job.constraint
         try:
             while True:
@@ -340,6 +352,7 @@ class Runner:
                     break
                 logits = self._forward(batch)
                 evaluated += len(batch)
+                forwarded = len(generated)
         finally:
             with self._counters.lock:
                 self._counters.decode_tokens += evaluated
@@ -359,21 +372,24 @@ class Runner:
         text = "".join(pieces)
         finish: FinishReason = "length" if reason == "length" else "stop"
         usage = Usage(len(ids), len(generated), depth, turn.reasoning_tokens)
-        return reason, generated, turn, Finished(finish, usage, text)
+        # Generated ids the model has not evaluated: the last one, or the tail of a batch of
+        # grammar-forced ids the limit cut (never evaluated, so the end-of-turn feeds them).
+        unevaluated = [t for t in generated[forwarded:] if t not in self._stop_ids]
+        return Decoded(reason, generated, unevaluated, turn, Finished(finish, usage, text))
 
     def _remember_turn(
-        self, job: Job, reason: str, generated: list[int], turn: ParsedTurn, text: str
+        self, job: Job, decoded: Decoded
     ) -> tuple[list[int], list[int], Transcript] | None:
         """Record the finished turn for generated-id reuse; returns what the end-of-turn
         snapshot needs (token path, ids still to feed, transcript), or None."""
-        if reason == "eos":
+        generated, turn, text = decoded.generated, decoded.turn, decoded.finished.text
+        if decoded.reason == "eos":
             body = generated[:-1]
-            feed = [self._eos_id]
-        elif reason == "length" and generated:
+        elif decoded.reason == "length" and generated:
             body = generated
-            feed = [generated[-1], self._eos_id]
         else:  # a stop string cut the text mid-token: the next turn cannot line up
             return None
+        feed = [*decoded.unevaluated, self._eos_id]
         prompt = job.prompt
         full = [*prompt.ids, *body, self._eos_id]
         if len(full) > self._options.max_context:
