@@ -86,3 +86,34 @@ def test_bundle_pools_take_the_policy_thread_count():
     assert experts
     for ex in experts.values():
         assert ex._session.get_session_options().intra_op_num_threads == threads
+    cores = cpu_threads.pool_worker_cores(threads)
+    for ex in experts.values():
+        opts = ex._session.get_session_options()
+        if cores:
+            assert opts.get_session_config_entry("session.intra_op_thread_affinities") == \
+                ";".join(str(c + 1) for c in cores)
+
+
+def test_pool_workers_get_one_core_each_after_the_first(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_applied", ThreadPolicy(4, (4, 5, 6, 7)))
+    assert cpu_threads.pool_worker_cores(4) == (5, 6, 7)  # the caller is the 4th thread
+    assert cpu_threads.pool_worker_cores(2) == (5,)
+    assert cpu_threads.pool_worker_cores(1) == ()
+    assert cpu_threads.pool_worker_cores(6) == (5, 6, 7, 5, 6)  # never more than asked
+    monkeypatch.setattr(cpu_threads, "_applied", ThreadPolicy(1, (3,)))
+    assert cpu_threads.pool_worker_cores(2) == ()  # one core: nothing to choose
+    monkeypatch.setattr(cpu_threads, "_applied", None)
+    assert cpu_threads.pool_worker_cores(4) == ()  # no policy: the scheduler decides
+
+
+def test_session_options_pin_workers_with_onnxruntime_numbering(monkeypatch):
+    from ling3_rknn.npu.executors import cpu_session_options
+
+    monkeypatch.setattr(cpu_threads, "_applied", ThreadPolicy(4, (4, 5, 6, 7)))
+    opts = cpu_session_options(3)
+    assert opts.intra_op_num_threads == 3 and opts.inter_op_num_threads == 1
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    # onnxruntime numbers logical processors from 1: cpu5 and cpu6 are "6" and "7"
+    assert opts.get_session_config_entry("session.intra_op_thread_affinities") == "6;7"
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        cpu_session_options(1).get_session_config_entry("session.intra_op_thread_affinities")

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ling3_rknn.cpu_threads import pool_worker_cores
 from ling3_rknn.npu.errors import NpuError, NpuInputError
 from ling3_rknn.npu.rknnlite_mock import MockRKNNLite
 
@@ -148,6 +149,24 @@ class RknnLiteExecutor:
         self._lite.release()
 
 
+def cpu_session_options(threads: int) -> Any:
+    """onnxruntime session options for a CPU pool of ``threads`` under the process's
+    thread policy (``ling3_rknn.cpu_threads``): no inter-op pool, workers that never spin
+    (a spinning worker steals the core the NPU driver and the other pools need) and, with
+    a policy in force, each worker pinned to its own core (``pool_worker_cores``)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    cores = pool_worker_cores(threads)
+    if cores:  # onnxruntime numbers logical processors from 1
+        opts.add_session_config_entry("session.intra_op_thread_affinities",
+                                      ";".join(str(c + 1) for c in cores))
+    return opts
+
+
 class OnnxExecutor:
     """The ONNX twin on onnxruntime's CPU provider (``--target cpu`` bundles)."""
 
@@ -157,10 +176,7 @@ class OnnxExecutor:
 
         self.spec = spec
         self.path = Path(onnx_path)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts = cpu_session_options(threads)
         try:
             self._session = ort.InferenceSession(str(self.path), sess_options=opts,
                                                  providers=["CPUExecutionProvider"])

@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from ling3_rknn.npu.errors import ExpertError
+from ling3_rknn.npu.executors import cpu_session_options
 
 # The selection mask handed to QMoE as ``router_probs``: QMoE takes the top-k of it, so
 # selected experts must dominate every other entry whatever k is.
@@ -167,12 +168,8 @@ class QMoeExperts:
     ) -> None:
         import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        # Spinning threads steal the other cores from the NPU driver and from each other
-        # when many sessions share few cores (docs/performance.md, the thread policy).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # no spinning, workers pinned per the thread policy (docs/performance.md)
+        opts = cpu_session_options(threads)
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         source = os.fspath(model) if not isinstance(model, bytes) else model
         try:
