@@ -198,3 +198,60 @@ def test_a_forced_call_re_renders_to_the_generated_text(tok):
         rendered = render_text(history, [WEATHER, SEARCH, PING], enable_thinking=False,
                                add_generation_prompt=False)
         assert rendered.endswith("<think></think>" + generated + "<|role_end|>")
+
+
+def tool_with(properties: dict, required=(), **extra) -> dict:
+    return {"type": "function", "function": {"name": "f", **extra, "parameters": {
+        "type": "object", "properties": properties, "required": list(required)}}}
+
+
+def test_refs_into_the_arguments_object_resolve(tok, ll):
+    tree = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {
+            "label": {"type": "string", "maxLength": 8},
+            "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+            "same": {"$ref": "#/properties/label"}},
+        "required": ["label", "children"]}}}
+    grammar = turn_grammar([tree], **REQUIRED)
+    assert admits(tok, ll, grammar, call("f", label="root",
+                                         children='[{"label": "a", "children": []}]'))
+    assert not admits(tok, ll, grammar, call("f", label="root", children="[[]]"))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "nullable": True, "x-order": 1},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    {"type": "string", "contentEncoding": "base64"},
+])
+def test_auto_turns_never_refuse_what_they_served_unconstrained(tok, ll, schema):
+    """parallel_tool_calls: false (or a strict sibling) constrains an "auto" turn; a
+    keyword the grammar cannot follow on a non-strict tool is ignored, not a 400."""
+    grammar = turn_grammar([tool_with({"x": schema})], parallel_tool_calls=False,
+                           thinking=False)
+    assert admits(tok, ll, grammar, ["Done."])
+    value = "[1, 2]" if schema["type"] == "array" else "abc"
+    assert admits(tok, ll, grammar, call("f", x=value))
+
+
+def test_auto_turns_give_a_schema_they_cannot_follow_free_arguments(tok, ll):
+    broken = tool_with({"x": {"type": "string"}}, required=["y"])  # y is not declared
+    grammar = turn_grammar([broken], parallel_tool_calls=False, thinking=False)
+    assert admits(tok, ll, grammar, call("f", y="1"))
+    with pytest.raises(GrammarError):
+        turn_grammar([broken], **REQUIRED)
+
+
+@pytest.mark.parametrize(("schema", "good", "bad"), [
+    ({"type": "string", "format": "date-time"}, "2026-12-01T10:00:00Z", "tomorrow"),
+    ({"type": "string", "format": "uuid"}, "123e4567-e89b-12d3-a456-426614174000", "xyz"),
+    ({"type": "string", "format": "date"}, "2026-02-28", "2026-13-01"),
+    ({"type": "string", "enum": ["a", "bbbb"], "maxLength": 2}, "a", "bbbb"),
+    ({"type": "string", "enum": ["x", "abc"], "pattern": "^a"}, "abc", "x"),
+    ({"type": "string", "pattern": "^https?:\\/\\/"}, "https://a.b", "ftp://a"),
+    ({"type": "string", "pattern": "a\\$"}, "xa$y", "xa"),
+    ({"type": "string", "minLength": 2.0}, "ab", "a"),
+])
+def test_raw_strings_honour_their_keywords(tok, ll, schema, good, bad):
+    grammar = turn_grammar([tool_with({"x": schema}, required=["x"])], **REQUIRED)
+    assert admits(tok, ll, grammar, call("f", x=good))
+    assert not admits(tok, ll, grammar, call("f", x=bad))

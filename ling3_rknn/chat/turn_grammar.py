@@ -41,13 +41,32 @@ ToolChoice = Literal["auto", "none", "required"]
 # llguidance's JSON compiler options for every embedded schema; a schema's own
 # "x-guidance" entries win.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# Keywords a raw (unquoted) string value can honour; anything else on a string-only
-# parameter is refused rather than silently not enforced.
-_RAW_STRING_KEYWORDS = frozenset({
-    "type", "enum", "const", "pattern", "minLength", "maxLength", "format", "description",
-    "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment",
+# Keywords that change nothing a value may be (OpenAPI's and editors' included).
+_ANNOTATIONS = frozenset({
+    "description", "title", "default", "examples", "example", "$comment", "$id", "$schema",
+    "deprecated", "readOnly", "writeOnly", "nullable", "markdownDescription",
 })
-_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment"})
+# Keywords a raw (unquoted) string value honours; anything else on a string-only parameter
+# of a tool the client requires (or declares strict) is refused rather than silently not
+# enforced, and ignored on the other tools of an "auto" turn.
+_RAW_STRING_KEYWORDS = _ANNOTATIONS | {"type", "enum", "const", "pattern", "minLength",
+                                       "maxLength", "format"}
+# ``format`` on a raw string, for the formats clients send (pydantic's datetime, date, time,
+# UUID, IPv4, email); other formats are annotations, as JSON Schema defines by default.
+_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = (r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?"
+         r"(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}[Tt ]{_TIME}",
+    "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": rf"(?:{_OCTET}\.){{3}}{_OCTET}",
+    "email": r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+",
+}
+# The arguments object inside each embedded parameter schema, so refs to "#..." resolve.
+_PARAMETERS_DEF = "ling3_parameters"
 
 
 class GrammarError(ValueError):
@@ -154,8 +173,10 @@ def _literal(text: str) -> str:
 
 
 def _regex_body(regex: str) -> str:
-    """``regex`` inside a Lark ``/.../`` literal."""
-    return regex.replace("/", "\\/").replace("\x01", "\\x01")
+    """``regex`` inside a Lark ``/.../`` literal: a "/" not already escaped gets its
+    backslash (an escaped one, legal in ECMA patterns, is kept as it is)."""
+    escaped = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", regex)
+    return escaped.replace("\x01", "\\x01")
 
 
 # No free text may spell a marker the template writes (see the module docstring).
@@ -181,6 +202,15 @@ _MARKER_SLOT = {m: f"<[\x01{i}\x01]>" for i, m in enumerate(markers.CONTROL_MARK
 class _Builder:
     def __init__(self, spec: TurnGrammar) -> None:
         self._spec = spec
+        # Tools whose schema problems are the request's 400: all when the client requires a
+        # call, else the ones declared strict. The other tools of an "auto" turn (only
+        # constrained for parallel_tool_calls: false or a strict sibling) never turn a
+        # request that was served unconstrained into an error: unknown keywords are
+        # ignored and a schema the grammar cannot follow gets free arguments.
+        forced = spec.forced_tool is not None or spec.tool_choice == "required"
+        self._strict = {_function(t).get("name") for t in spec.tools
+                        if forced or _function(t).get("strict") is True}
+        self._lenient = False
         self._rules: list[str] = []
         self._parts: dict[str, str] = {}
 
@@ -207,6 +237,7 @@ class _Builder:
             many = spec.parallel_tool_calls and spec.forced_tool is None
             calls = f'{one} ("\\n" {one})*' if many else one
         json_body = None
+        self._lenient = False  # the response format is the client's own demand
         if spec.response_schema is not None:
             json_body = self._json("content", spec.response_schema,
                                    "response_format.json_schema.schema")
@@ -231,7 +262,17 @@ class _Builder:
         tool = next(t for t in self._spec.tools if _function(t).get("name") == name)
         where = f"tools[{self._spec.tools.index(tool)}].function"
         params = _function(tool).get("parameters") or {}
-        args = self._arguments(index, params, where)
+        self._lenient = name not in self._strict
+        if self._lenient:
+            mark = len(self._rules), dict(self._parts)
+            try:
+                args = self._arguments(index, params, where)
+            except GrammarError:
+                del self._rules[mark[0]:]
+                self._parts = mark[1]
+                args = self._free_arguments(index)
+        else:
+            args = self._arguments(index, params, where)
         rule = f"call_{index}"
         body = [self._token(markers.TOOL_CALL_OPEN), _literal(name), '"\\n"']
         if args:
@@ -273,6 +314,19 @@ class _Builder:
             items.append(rule if key in required else f"{rule}?")
         return " ".join(items)
 
+    def _free_arguments(self, index: int) -> str:
+        """Any keys and raw values: what the parser itself accepts for a tool whose schema
+        the grammar cannot follow (an "auto" turn's non-strict tool)."""
+        rule = f"a_{index}_free"
+        self._rule(rule, " ".join([
+            self._token(markers.ARG_KEY_OPEN), "KEY", self._token(markers.ARG_KEY_CLOSE),
+            '"\\n"', self._token(markers.ARG_VALUE_OPEN), "text?",
+            self._token(markers.ARG_VALUE_CLOSE),
+        ]))
+        if not any(r.startswith("KEY:") for r in self._rules):
+            self._rules.append("KEY: /[^<]+/")
+        return f"{rule}*"
+
     # -- values ----------------------------------------------------------------------
 
     def _value(
@@ -288,56 +342,64 @@ class _Builder:
             return self._raw_string(rule, schema, part)
         if not types and not (set(schema) - _ANNOTATIONS):
             return "text", True  # any value: raw text, read as JSON where it parses
-        defs = {k: root[k] for k in ("$defs", "definitions") if isinstance(root.get(k), dict)}
-        return self._json(rule, {**defs, **schema}, part), False
+        return self._json(rule, _embedded(schema, root), part), False
 
     def _raw_string(self, rule: str, schema: Mapping[str, Any], part: str) -> tuple[str, bool]:
         extra = sorted(set(schema) - _RAW_STRING_KEYWORDS)
-        if extra:
+        if extra and not self._lenient:
             raise GrammarError(part, f"{extra[0]!r} is not supported on a string parameter of "
                                      "a forced call (the value is written unquoted)")
-        choices = list(schema.get("enum") or [])
-        if "const" in schema:
-            choices = [schema["const"]]
-        if choices:
-            strings = [c for c in choices if isinstance(c, str)]
-            if not strings:
-                raise GrammarError(part, "the enum has no string value for a string parameter")
-            literals = [_literal(s) for s in dict.fromkeys(strings) if s]
-            if not literals:
-                return "", True
-            self._rule(rule, " | ".join(literals))
-            self._parts[rule] = part
-            return rule, "" in strings
-        lo = schema.get("minLength", 0)
-        hi = schema.get("maxLength")
-        for name, bound in (("minLength", lo), ("maxLength", hi)):
-            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
-                                      or bound < 0):
-                raise GrammarError(part, f"{name} must be a non-negative integer")
+        lo = _length(schema, "minLength", part, 0)
+        hi = _length(schema, "maxLength", part, None)
         if hi is not None and hi < lo:
             raise GrammarError(part, "maxLength is below minLength")
+        pattern = schema.get("pattern")
+        if pattern is not None and not isinstance(pattern, str):
+            raise GrammarError(part, "pattern must be a string")
+        regexes = [] if pattern is None else [_full_match(pattern)]
+        fmt = _FORMATS.get(schema.get("format"))  # type: ignore[arg-type]
+        if fmt is not None:
+            regexes.append(fmt)
+        if "enum" in schema or "const" in schema:
+            return self._string_choice(rule, schema, part, lo, hi, pattern, fmt)
         if hi == 0:
             return "", True
-        pattern = schema.get("pattern")
-        if lo <= 1 and hi is None and pattern is None:
+        if lo <= 1 and hi is None and not regexes:
             return "text", lo == 0
         pieces = ["/(?s:.+)/", _NO_MARKER]
         if lo > 1 or hi is not None:
             pieces.append(f"/(?s:.{{{max(lo, 1)},{'' if hi is None else hi}}})/")
-        if pattern is not None:
-            if not isinstance(pattern, str):
-                raise GrammarError(part, "pattern must be a string")
-            pieces.append(f"/{_regex_body(_full_match(pattern))}/")
+        pieces += [f"/{_regex_body(r)}/" for r in regexes]
         lexeme = rule.upper()
         self._rules.append(f"{lexeme}: {' & '.join(pieces)}")
         self._parts[lexeme] = part
-        return lexeme, lo == 0 and _matches_empty(pattern)
+        return lexeme, lo == 0 and fmt is None and _matches_empty(pattern)
+
+    def _string_choice(self, rule: str, schema: Mapping[str, Any], part: str, lo: int,
+                       hi: int | None, pattern: str | None, fmt: str | None) -> tuple[str, bool]:
+        """``enum``/``const`` strings that also satisfy their sibling keywords."""
+        choices = list(schema.get("enum") or [])
+        if "const" in schema:
+            choices = [c for c in choices if c == schema["const"]] if "enum" in schema else [
+                schema["const"]]
+        strings = [c for c in dict.fromkeys(c for c in choices if isinstance(c, str))
+                   if lo <= len(c) and (hi is None or len(c) <= hi)
+                   and _python_search(pattern, c) and _python_search(fmt, c, full=True)]
+        if not strings:
+            raise GrammarError(part, "no string value satisfies enum/const with the other "
+                                     "keywords of this string parameter")
+        literals = [_literal(c) for c in strings if c]
+        if not literals:
+            return "", True
+        self._rule(rule, " | ".join(literals))
+        self._parts[rule] = part
+        return rule, "" in strings
 
     def _json(self, rule: str, schema: Any, part: str) -> str:
         if not isinstance(schema, dict):
             raise GrammarError(part, "must be a JSON-schema object")
-        style = {**_JSON_STYLE, **(schema.get("x-guidance") or {})}
+        style = {**_JSON_STYLE, **({"lenient": True} if self._lenient else {}),
+                 **(schema.get("x-guidance") or {})}
         self._rule(rule, "%json " + json.dumps({**schema, "x-guidance": style}))
         self._parts[rule] = part
         return rule
@@ -362,10 +424,59 @@ def _matches_empty(pattern: str | None) -> bool:
         return False
 
 
+def _python_search(regex: str | None, text: str, *, full: bool = False) -> bool:
+    """Whether ``text`` satisfies ``regex`` as Python reads it (close to ECMA for the
+    patterns schemas use); a regex Python cannot read filters nothing."""
+    if regex is None:
+        return True
+    try:
+        return (re.fullmatch(regex, text) if full else re.search(regex, text)) is not None
+    except re.error:
+        return True
+
+
+def _length(schema: Mapping[str, Any], name: str, part: str, default: int | None) -> Any:
+    """A length bound as an int (JSON's 2.0 is an integer too)."""
+    bound = schema.get(name, default)
+    if bound is None:
+        return None
+    if isinstance(bound, float) and bound.is_integer():
+        bound = int(bound)
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+        raise GrammarError(part, f"{name} must be a non-negative integer")
+    return bound
+
+
+def _embedded(schema: dict[str, Any], root: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's schema to compile on its own: the arguments object's ``$defs`` /
+    ``definitions`` come along, and a ref into the arguments object itself (``#``,
+    ``#/properties/...``) is pointed at a copy of it under ``$defs``."""
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(
+                ("#/$defs/", "#/definitions/")):
+            out["$ref"] = f"#/$defs/{_PARAMETERS_DEF}{ref[1:]}"
+            used.add(True)
+        return out
+
+    used: set[bool] = set()
+    out = rewrite(schema)
+    defs = {k: rewrite(root[k]) for k in ("$defs", "definitions") if isinstance(root.get(k), dict)}
+    if used:
+        defs["$defs"] = {**defs.get("$defs", {}), _PARAMETERS_DEF: rewrite(dict(root))}
+    return {**defs, **out}
+
+
 def _full_match(pattern: str) -> str:
     """JSON Schema's ``pattern`` finds a match anywhere; a Lark lexeme matches the whole
     value, so an unanchored side is padded with ``.*``."""
     head = pattern[1:] if pattern.startswith("^") else "(?s:.*)" + pattern
-    tail_anchored = head.endswith("$") and not head.endswith("\\$")
+    trailing = len(head[:-1]) - len(head[:-1].rstrip("\\")) if head.endswith("$") else 0
+    tail_anchored = head.endswith("$") and trailing % 2 == 0  # "\\$" is a literal "$"
     body = head[:-1] if tail_anchored else head
     return f"(?:{body})" if tail_anchored else f"(?:{body})(?s:.*)"
