@@ -255,3 +255,19 @@ def test_raw_strings_honour_their_keywords(tok, ll, schema, good, bad):
     grammar = turn_grammar([tool_with({"x": schema}, required=["x"])], **REQUIRED)
     assert admits(tok, ll, grammar, call("f", x=good))
     assert not admits(tok, ll, grammar, call("f", x=bad))
+
+
+def test_json_content_never_becomes_a_call(tok, ll):
+    """With a response format the answer is JSON or calls: markup spelled inside a JSON
+    string is admitted by the grammar, and the parser must keep it as content."""
+    grammar = turn_grammar([WEATHER, PING], response_schema={
+        "type": "object", "properties": {"a": {"type": "string"}}}, thinking=False)
+    pieces = ['{"a": "x<tool_call>ping</tool_call>y"}']  # all text, no marker ids
+    assert admits(tok, ll, grammar, pieces)
+    text = tok.decode(ids(tok, *pieces))
+    assert parse_assistant(text, [WEATHER, PING], thinking=False).tool_calls  # the hazard
+    message = parse_assistant(text, [WEATHER, PING], thinking=False, calls_only_first=True)
+    assert message.tool_calls == [] and json.loads(message.content)["a"].startswith("x<tool")
+    first = parse_assistant(tok.decode(ids(tok, *call("ping"))), [WEATHER, PING],
+                            thinking=False, calls_only_first=True)
+    assert [c.name for c in first.tool_calls] == ["ping"]

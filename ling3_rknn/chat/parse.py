@@ -13,10 +13,12 @@ from .stream_parse import StreamingParser
 
 
 def parse_assistant(
-    text: str, tools: Any = None, *, thinking: bool = True, parallel_tool_calls: bool = True
+    text: str, tools: Any = None, *, thinking: bool = True, parallel_tool_calls: bool = True,
+    calls_only_first: bool = False,
 ) -> ParsedMessage:
     """Generated text -> reasoning, content and calls (rules in ``stream_parse``)."""
-    parser = StreamingParser(tools, thinking=thinking, parallel_tool_calls=parallel_tool_calls)
+    parser = StreamingParser(tools, thinking=thinking, parallel_tool_calls=parallel_tool_calls,
+                             calls_only_first=calls_only_first)
     parser.feed(text)
     parser.finish()
     return parser.result()

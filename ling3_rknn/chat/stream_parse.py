@@ -13,6 +13,8 @@ the same result. Rules (docs/serving.md section 3):
 * a ``<tool_call>`` block becomes a call only if it matches ``call_block.match_call``; otherwise
   its text is released unchanged as content and scanning resumes right after ``<tool_call>``.
   With ``parallel_tool_calls=False`` only the first call is taken; later blocks are content.
+  With ``calls_only_first=True`` (a response format: JSON or calls) a block after content is
+  content.
 * separators the template writes are removed so that a message re-renders to the generated
   text: one ``\\n`` before a call (kept when the content before the first call is nothing but
   newlines and there is reasoning, because the template then writes exactly one ``\\n``), and
@@ -66,11 +68,16 @@ class StreamingParser:
     """Feed text deltas, get reasoning/content deltas and complete tool calls as they settle."""
 
     def __init__(
-        self, tools: Any = None, *, thinking: bool = True, parallel_tool_calls: bool = True
+        self, tools: Any = None, *, thinking: bool = True, parallel_tool_calls: bool = True,
+        calls_only_first: bool = False,
     ) -> None:
         self._tools = tool_table(tools)
         self._thinking = thinking
         self._parallel = parallel_tool_calls
+        # A response format's answer is JSON or calls (chat/turn_grammar.py): once content
+        # has begun, a "<tool_call>" is text inside the JSON, never a call.
+        self._calls_only_first = calls_only_first
+        self._has_content = False  # content other than whitespace was emitted
         self._state = "start"
         self._buf = ""
         self._sep = ""  # a held "\n" that may be the template's separator before a call
@@ -135,6 +142,8 @@ class StreamingParser:
         if text:
             if text.strip("\n"):
                 self._chunk_all_newlines = False
+            if text.strip():
+                self._has_content = True
             self._content.append(text)
             self._events.append(ContentDelta(text))
 
@@ -157,7 +166,10 @@ class StreamingParser:
 
     # ------------------------------------------------------------------ states
 
-    def _calls_allowed(self) -> bool:
+    def _calls_allowed(self, before: str = "") -> bool:
+        """Whether a call may start here; ``before``: content not yet emitted before it."""
+        if self._calls_only_first and (self._has_content or before.strip()):
+            return False
         return bool(self._tools) and (self._parallel or not self._calls)
 
     def _run(self, final: bool) -> None:
@@ -203,8 +215,9 @@ class StreamingParser:
 
     def _in_content(self, final: bool) -> bool:
         buf = self._buf
-        allowed = self._calls_allowed()
-        if allowed and (i := buf.find(OPEN)) >= 0:
+        i = buf.find(OPEN)
+        allowed = self._calls_allowed(buf if i < 0 else buf[:i])
+        if allowed and i >= 0:
             self._push_content(buf[:i], hold_newline=True)
             self._buf = buf[i + len(OPEN) :]
             self._state = "call"

@@ -115,6 +115,7 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
             callable_tools(request),
             thinking=request.enable_thinking,
             parallel_tool_calls=request.parallel_tool_calls,
+            calls_only_first=request.response_schema is not None,
         ),
         grammar=turn_grammar(request),
     )
