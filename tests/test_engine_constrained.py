@@ -241,3 +241,24 @@ async def test_the_demo_model_forced_is_valid_whatever_the_sampling(
     assert call.name == (forced or call.name) and call.name in {"get_weather", "get_time"}
     jsonschema.validate(call.arguments, {**DEMO_TOOLS[0]["function"]["parameters"],
                                          "additionalProperties": False})
+
+
+async def test_a_grammar_that_breaks_while_generating_is_invalid_request_then_refused(engine):
+    """Some grammars compile and only exceed llguidance's limits mid-answer: the request
+    gets InvalidRequest (a 400, the grammar is at fault, not the model) and the same
+    grammar is refused at admission from then on."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string",
+                                               "pattern": "^([a-z]+\\d?){1,2000}$"}},
+        "required": ["x"]}}}
+    with pytest.raises(InvalidRequest, match="limits while generating"):
+        await constrained(engine, [USER], tools=[tool], tool_choice="required",
+                          sampling=SamplingParams(temperature=0), max_tokens=200)
+    request = GenerationRequest(
+        render([USER], [tool], enable_thinking=False),
+        grammar=turn_grammar([tool], tool_choice="required", thinking=False))
+    with pytest.raises(InvalidRequest, match="limits while generating"):
+        await anext(engine.generate(request))  # refused before Admitted
+    _, calls = await constrained(engine, [USER], tool_choice="required",
+                                 forced_tool="get_weather")
+    assert calls  # the engine serves the next request

@@ -159,3 +159,4 @@ async def test_a_schema_the_library_cannot_serve_is_400_naming_it(client, extra,
             model=DEMO_MODEL_ID, messages=[{"role": "user", "content": "hi"}], **extra)
     message = info.value.body["message"]
     assert part in message and keyword in message
+    assert info.value.body["param"] == part

@@ -116,8 +116,14 @@ class EngineShutDown(EngineFailure):
 
 
 class InvalidRequest(EngineError, ValueError):
-    """A request value the engine cannot honour (bad sampling knob, empty prompt); the
-    server answers 400. Raised before the first event, like ContextLengthExceeded."""
+    """A request value the engine cannot honour (bad sampling knob, empty prompt, a grammar
+    the constraint library refuses); the server answers 400, naming ``param`` when set.
+    Raised before the first event, like ContextLengthExceeded, except for a grammar that
+    exceeds the library's limits while generating."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)

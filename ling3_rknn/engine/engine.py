@@ -86,6 +86,7 @@ class Engine:
                 self._encoder.restore_note(note, path)
         self._counters = Counters()
         self._grammars = GrammarCompiler(tokenizer)
+        self._grammars.prepare()
         self._runner = Runner(
             model,
             tokenizer,

@@ -19,13 +19,13 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import llguidance
 import numpy as np
 
-from .api import EngineFailure, GrammarSource, InvalidRequest
+from .api import GrammarSource, InvalidRequest
 
 
 class GrammarTokenizer(Protocol):
@@ -54,7 +54,9 @@ SLICES = [f"{_COMMON}{{1,10}}", f"{_COMMON}{{1,30}}", f"{_COMMON}+",
 
 class GrammarCompiler:
     """Compiles turn grammars for one tokenizer. llguidance's tokenizer view takes about a
-    second to build at Ling's vocabulary, so it is built once, on first use."""
+    second to build at Ling's vocabulary and holds the GIL meanwhile, so ``prepare`` builds
+    it while the model loads rather than stalling the server on the first constrained
+    request."""
 
     def __init__(self, tokenizer: Any, cached_grammars: int = 16) -> None:
         self._tokenizer = tokenizer
@@ -65,6 +67,14 @@ class GrammarCompiler:
         # (0.02 ms instead of ~10 ms for 20 tools).
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cached_grammars = cached_grammars
+        # Grammars that compiled but broke llguidance's limits while generating: refused at
+        # admission from then on (a retry would fail the same way).
+        self._refused: dict[str, InvalidRequest] = {}
+
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now, where the tokenizer allows it."""
+        if getattr(self._tokenizer, "library_json", None) is not None:
+            self._ll_tokenizer()
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -90,32 +100,47 @@ class GrammarCompiler:
         try:
             text = source.lark(self._tokenizer.special_ids)
         except ValueError as exc:  # chat.GrammarError: a shape the grammar cannot express
-            raise InvalidRequest(str(exc)) from exc
+            raise InvalidRequest(str(exc), getattr(exc, "part", None)) from exc
         with self._lock:
+            refused = self._refused.get(text.lark)
             start = self._compiled.get(text.lark)
             if start is not None:
                 self._compiled.move_to_end(text.lark)
+        if refused is not None:
+            raise InvalidRequest(str(refused), refused.param)
         if start is None:
             start = llguidance.LLMatcher(ll, text.lark, log_level=0)
             if start.is_error():
-                raise InvalidRequest(_explain(start.get_error(), text))
+                raise _invalid(start.get_error(), text)
             with self._lock:
                 self._compiled[text.lark] = start
                 while len(self._compiled) > self._cached_grammars:
                     self._compiled.popitem(last=False)
-        return TokenConstraint(start.deep_copy(), ll.vocab_size)
+
+        def refuse(error: str) -> InvalidRequest:
+            refusal = _invalid(error, text, while_generating=True)
+            with self._lock:
+                self._compiled.pop(text.lark, None)
+                self._refused[text.lark] = refusal
+                if len(self._refused) > 256:  # bounded: oldest first
+                    self._refused.pop(next(iter(self._refused)))
+            return refusal
+
+        return TokenConstraint(start.deep_copy(), ll.vocab_size, refuse)
 
 
-def _explain(error: str, text: Any) -> str:
-    """llguidance's error, first line, with the request part its grammar line came from."""
+def _invalid(error: str, text: Any, *, while_generating: bool = False) -> InvalidRequest:
+    """llguidance's error (first line) as a 400 naming the request part its grammar line
+    came from, where the error has a line."""
     first = error.strip().splitlines()[0] if error.strip() else "the grammar is invalid"
-    place = re.match(r"at (\d+)\(\d+\): ", first)
+    place = re.match(r"(?:at )?(\d+)\(\d+\): ", first)
+    part = None
     if place is not None:
         first = first[place.end():]
         part = text.part_at_line(int(place.group(1)))
-        if part is not None:
-            return f"{part}: {first}"
-    return f"cannot constrain the answer: {first}"
+    if while_generating:
+        first = f"the grammar exceeded the constraint library's limits while generating ({first})"
+    return InvalidRequest(f"{part or 'cannot constrain the answer'}: {first}", part)
 
 
 # Bit j of mask byte b is token 8b + j (little-endian words): each byte value maps to the
@@ -130,18 +155,28 @@ _BYTE_BIAS = np.where(
 class TokenConstraint:
     """One request's grammar state; used only by the engine's worker thread."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int,
+                 refuse: Callable[[str], InvalidRequest] | None = None) -> None:
         self._matcher = matcher
         self._words = np.empty((vocab_size + 31) // 32, np.int32)
+        self._refuse = refuse
+
+    def _failed(self, what: str) -> Exception:
+        """The matcher broke mid-answer: a 400 for the request (the grammar, not the model,
+        is at fault), remembered so the same grammar is refused at admission next time."""
+        error = self._matcher.get_error() or what
+        if self._refuse is not None:
+            return self._refuse(error)
+        return InvalidRequest(f"cannot constrain the answer: {error}")
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of one logits row with every token the grammar forbids at -inf."""
         words = self._words
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self._matcher.is_error():
-            raise EngineFailure(f"grammar: {self._matcher.get_error()}")
+            raise self._failed("the mask could not be computed")
         if not words.any():
-            raise EngineFailure("grammar: no token can continue the answer")
+            raise self._failed("no token can continue the answer")
         n = logits.shape[0]
         bias = np.take(_BYTE_BIAS, words.view(np.uint8), axis=0).reshape(-1)
         if bias.shape[0] < n:  # ids past the tokenizer's vocabulary are never allowed
@@ -152,13 +187,12 @@ class TokenConstraint:
         """Accept ``token_id``; return the tokens the grammar now forces (already accepted
         too), which the engine evaluates in one model call instead of sampling one by one."""
         if not self._matcher.consume_token(int(token_id)):
-            raise EngineFailure(f"grammar: token {token_id} does not continue the answer "
-                                f"({self._matcher.get_error()})")
+            raise self._failed(f"token {token_id} does not continue the answer")
         if self._matcher.is_stopped():
             return []
         forced = list(self._matcher.compute_ff_tokens())
         if forced and not self._matcher.consume_tokens(forced):
-            raise EngineFailure(f"grammar: forced tokens rejected ({self._matcher.get_error()})")
+            raise self._failed("the forced tokens were rejected")
         return forced
 
     @property

@@ -29,7 +29,7 @@ import numpy as np
 
 from ling3_rknn.chat.events import Finished, FinishReason, GenerationEvent, TextDelta, Usage
 
-from .api import EngineFailure, TurnParser
+from .api import EngineFailure, InvalidRequest, TurnParser
 from .grammar_constraint import TokenConstraint
 from .parsed_turn import ParsedTurn
 from .prefix_cache import PrefixCache
@@ -221,7 +221,7 @@ class Runner:
             with self._counters.lock:
                 self._counters.cancelled += 1
             return
-        except EngineFailure as exc:
+        except (EngineFailure, InvalidRequest) as exc:  # the latter: a grammar broke mid-way
             job.emit(exc)
             return
         except FloatingPointError as exc:  # the sampler saw NaN/inf logits

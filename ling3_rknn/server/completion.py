@@ -131,7 +131,7 @@ def _engine_errors(ended: str, request_id: str) -> Iterator[None]:
     except EngineBusy as exc:
         raise busy(str(exc) or "The server is busy; retry shortly.") from None
     except InvalidRequest as exc:
-        raise invalid_request(str(exc)) from None
+        raise invalid_request(str(exc), param=exc.param) from None
     except EngineFailure as exc:
         raise engine_failure(exc, request_id) from None
     except StopAsyncIteration:
