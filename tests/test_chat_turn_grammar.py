@@ -271,3 +271,12 @@ def test_json_content_never_becomes_a_call(tok, ll):
     first = parse_assistant(tok.decode(ids(tok, *call("ping"))), [WEATHER, PING],
                             thinking=False, calls_only_first=True)
     assert [c.name for c in first.tool_calls] == ["ping"]
+
+
+def test_numbers_beyond_the_float_range_never_reach_the_client_as_infinity(tok):
+    """llguidance bounds no exponent; a value with 1e999 anywhere in it stays text."""
+    tool = tool_with({"x": {"type": "number"}, "o": {"type": "object"}})
+    text = tok.decode(ids(tok, *call("f", x="2e400", o='{"n": 1e999}')))
+    (parsed,) = parse_assistant(text, [tool], thinking=False).tool_calls
+    assert parsed.arguments == {"x": "2e400", "o": '{"n": 1e999}'}
+    assert "Infinity" not in parsed.arguments_json()

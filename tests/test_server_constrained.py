@@ -160,3 +160,16 @@ async def test_a_schema_the_library_cannot_serve_is_400_naming_it(client, extra,
     message = info.value.body["message"]
     assert part in message and keyword in message
     assert info.value.body["param"] == part
+
+
+async def test_stop_strings_do_not_cut_a_forced_call(client):
+    """A stop string the call itself contains ("\\n" is in every call, "city" is a key)
+    would end the turn inside the block; a forced call is complete anyway."""
+    done = await complete(
+        client, False, tools=TOOLS, stop=["\n", "city"], reasoning_effort="none",
+        messages=[{"role": "user", "content": "What time is it in Rome?"}],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert len(valid_calls(choice.message, {"get_time"})) == 1

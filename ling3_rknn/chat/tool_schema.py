@@ -99,21 +99,28 @@ def _reject_constant(name: str) -> float:
     raise ValueError(name)
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
 def coerce_value(raw: str, types: frozenset[str]) -> Any:
     """Typed value of one ``<arg_value>``.
 
     String-only parameters keep the raw text (no JSON decoding, no trimming). Otherwise the text
     is parsed as JSON; a value that does not parse (or, for a type list that admits strings,
     parses to a type the schema does not allow, like ``"123"`` for ``["string", "null"]``) stays
-    the raw string. NaN/Infinity are not JSON and stay strings.
+    the raw string. NaN/Infinity are not JSON and stay strings, as does a value with a number
+    beyond the float range anywhere in it (``2e400``), which would otherwise reach the client
+    as ``Infinity``.
     """
     if types == {"string"}:
         return raw
     try:
-        value = json.loads(raw, parse_constant=_reject_constant)
+        value = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except ValueError:
-        return raw
-    if isinstance(value, float) and not math.isfinite(value):
         return raw
     kind = json_type(value)
     if kind == "integer" and "number" in types:

@@ -281,7 +281,9 @@ class Sampler:
             return int(head[self._draw(np.exp(z[:keep]))])
         # Bucketed nucleus: tokens below z = -_Z_FLOOR carry < V * e^-40 of the mass.
         scale = _BUCKETS / _Z_FLOOR
-        bucket = np.clip(((z_all + _Z_FLOOR) * scale).astype(np.int64), 0, _BUCKETS - 1)
+        # Clipped before the cast: a masked (-inf) logit must not reach the int conversion.
+        floor = np.maximum(z_all, np.float32(-_Z_FLOOR))
+        bucket = np.minimum(((floor + _Z_FLOOR) * scale).astype(np.int64), _BUCKETS - 1)
         mass = np.bincount(bucket, weights=weights, minlength=_BUCKETS) / normaliser
         above = np.cumsum(mass[::-1])[::-1] - mass  # mass in strictly higher buckets
         cut = int(np.flatnonzero(above < s.top_p)[0])  # lowest bucket that is reached

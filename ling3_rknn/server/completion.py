@@ -104,7 +104,10 @@ def turn_grammar(request: ChatRequest) -> chat.TurnGrammar | None:
 
 
 def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> GenerationRequest:
-    stops = [*request.stop, END_OF_TURN_TEXT]
+    # A turn the grammar makes all calls (tool_choice required or named) ends where the
+    # grammar says: a stop string would cut a call and hand its markup back as content.
+    forced = request.tool_choice == "required" and bool(request.tools)
+    stops = [*(() if forced else request.stop), END_OF_TURN_TEXT]
     return GenerationRequest(
         prompt=prompt,
         sampling=request.sampling,
