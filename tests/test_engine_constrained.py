@@ -262,3 +262,17 @@ async def test_a_grammar_that_breaks_while_generating_is_invalid_request_then_re
     _, calls = await constrained(engine, [USER], tool_choice="required",
                                  forced_tool="get_weather")
     assert calls  # the engine serves the next request
+
+
+def test_a_call_right_after_the_reasoning_is_not_counted_as_reasoning():
+    from ling3_rknn.chat import TextDelta
+    from ling3_rknn.engine.parsed_turn import ParsedTurn
+
+    turn = ParsedTurn(functools.partial(StreamingParser, TOOLS, thinking=True))
+    deltas = [("Weather", 1), (" it is", 2), ("</think>", 1), ("<tool_call>", 1),
+              ("get_weather\n", 3), ("<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>", 7),
+              ("<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>", 8)]
+    events = [e for text, n in deltas for e in turn.feed(TextDelta(text, (0,) * n))]
+    events += turn.finish()
+    assert [e.call.name for e in events if isinstance(e, ToolCallParsed)] == ["get_weather"]
+    assert turn.reasoning_tokens == 4

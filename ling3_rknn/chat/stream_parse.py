@@ -126,6 +126,11 @@ class StreamingParser:
             raise RuntimeError("result() before finish()")
         return ParsedMessage("".join(self._reasoning), "".join(self._content), list(self._calls))
 
+    @property
+    def reasoning_done(self) -> bool:
+        """The reasoning block is over (or the turn has none): what follows is the answer."""
+        return self._state not in ("start", "reasoning")
+
     def history_text(self) -> str | None:
         """The text the template renders for this turn when a client sends it back as
         history (``history.history_form`` of ``result()``); after ``finish()``."""

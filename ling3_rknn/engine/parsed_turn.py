@@ -29,7 +29,7 @@ class ParsedTurn:
 
     def __init__(self, make_parser: Callable[[], TurnParser] | None) -> None:
         self._parser = make_parser() if make_parser is not None else None
-        self._tokens = 0  # tokens of the deltas fed before the answer began
+        self._tokens = 0  # tokens of the deltas fed while the reasoning block was open
         self._answering = False  # a content delta or a call has been released
         self._saw_reasoning = False
 
@@ -40,7 +40,10 @@ class ParsedTurn:
     def feed(self, delta: TextDelta) -> list[GenerationEvent]:
         if self._parser is None:
             return [delta]
-        if not self._answering:
+        # A call is released only once complete, so "before the first answer event" would
+        # count a call that follows the reasoning as reasoning; the parser knows better.
+        reasoning_over = getattr(self._parser, "reasoning_done", False)
+        if not self._answering and not reasoning_over:
             self._tokens += len(delta.token_ids)
         return self._track(self._parser.feed(delta.text))
 
@@ -49,8 +52,8 @@ class ParsedTurn:
 
     @property
     def reasoning_tokens(self) -> int:
-        """Tokens generated before the first content or call was released (the reasoning
-        block plus its closing marker); 0 when the turn had no reasoning."""
+        """Tokens generated while the reasoning block was open (with its closing marker);
+        0 when the turn had no reasoning."""
         return self._tokens if self._saw_reasoning else 0
 
     def history_text(self, generated: str) -> str | None:
