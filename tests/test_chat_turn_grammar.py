@@ -250,6 +250,7 @@ def test_auto_turns_give_a_schema_they_cannot_follow_free_arguments(tok, ll):
     ({"type": "string", "pattern": "^https?:\\/\\/"}, "https://a.b", "ftp://a"),
     ({"type": "string", "pattern": "a\\$"}, "xa$y", "xa"),
     ({"type": "string", "minLength": 2.0}, "ab", "a"),
+    ({"type": "string", "maxLength": 3, "nullable": True, "x-order": 2}, "abc", "abcd"),
 ])
 def test_raw_strings_honour_their_keywords(tok, ll, schema, good, bad):
     grammar = turn_grammar([tool_with({"x": schema}, required=["x"])], **REQUIRED)

@@ -345,7 +345,8 @@ class _Builder:
         return self._json(rule, _embedded(schema, root), part), False
 
     def _raw_string(self, rule: str, schema: Mapping[str, Any], part: str) -> tuple[str, bool]:
-        extra = sorted(set(schema) - _RAW_STRING_KEYWORDS)
+        extra = sorted(k for k in set(schema) - _RAW_STRING_KEYWORDS
+                       if not k.startswith("x-"))  # vendor extensions annotate
         if extra and not self._lenient:
             raise GrammarError(part, f"{extra[0]!r} is not supported on a string parameter of "
                                      "a forced call (the value is written unquoted)")
