@@ -281,3 +281,14 @@ def test_numbers_beyond_the_float_range_never_reach_the_client_as_infinity(tok):
     (parsed,) = parse_assistant(text, [tool], thinking=False).tool_calls
     assert parsed.arguments == {"x": "2e400", "o": '{"n": 1e999}'}
     assert "Infinity" not in parsed.arguments_json()
+
+
+def test_allowed_tools_keep_the_others_uncallable(tok, ll):
+    grammar = turn_grammar(TOOLS, allowed_tools=["ping"], thinking=False)
+    assert admits(tok, ll, grammar, ["Sure.\n", *call("ping")])
+    assert not admits(tok, ll, grammar, WEATHER_CALL)
+    required = turn_grammar(TOOLS, tool_choice="required", allowed_tools=["ping"],
+                            thinking=False)
+    assert not admits(tok, ll, required, ["Sure."])
+    with pytest.raises(GrammarError):
+        turn_grammar(TOOLS, allowed_tools=["nope"])

@@ -173,3 +173,18 @@ async def test_stop_strings_do_not_cut_a_forced_call(client):
     choice = done.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     assert len(valid_calls(choice.message, {"get_time"})) == 1
+
+
+@STREAMS
+async def test_allowed_tools_required_calls_only_the_listed_tool(client, stream):
+    """OpenAI's allowed_tools keeps every tool in the prompt (and the prefix cache) but
+    lets the model call only the listed ones."""
+    done = await complete(
+        client, stream, tools=TOOLS,
+        messages=[{"role": "user", "content": "What's the weather like in Lisbon?"}],
+        tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "get_time"}}]}},
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [c.function.name for c in valid_calls(choice.message, {"get_time"})] == ["get_time"]

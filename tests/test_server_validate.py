@@ -269,6 +269,21 @@ def test_max_completion_tokens_wins_over_max_tokens():
     assert parse_chat_request(body(max_tokens=5)).max_tokens == 5
 
 
+def test_allowed_tools_restrict_the_callable_subset():
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "read"}}]}}
+    request = parse_chat_request(body(tools=[TOOL], tool_choice=choice))
+    assert (request.tool_choice, request.forced_tool, request.allowed_tools) == (
+        "required", None, ("read",))
+    bad = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "write"}}]}}
+    error = rejected(body(tools=[TOOL], tool_choice=bad))
+    assert error.param == "tool_choice.allowed_tools.tools[0].function.name"
+    empty = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}
+    assert rejected(body(tools=[TOOL], tool_choice=empty)).param == (
+        "tool_choice.allowed_tools.tools")
+
+
 def test_forced_tools_and_response_formats_resolve():
     named = parse_chat_request(body(
         tools=[TOOL], tool_choice={"type": "function", "function": {"name": "read"}}))

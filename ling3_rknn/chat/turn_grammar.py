@@ -104,6 +104,7 @@ class TurnGrammar:
     parallel_tool_calls: bool = True
     thinking: bool = True
     response_schema: dict[str, Any] | None = None  # the content's JSON schema
+    allowed_tools: tuple[str, ...] | None = None  # callable subset of the declared tools
 
     def lark(self, token_ids: Mapping[str, int]) -> GrammarText:
         """The grammar with the markers at ``token_ids`` (the tokenizer's special ids)."""
@@ -133,6 +134,7 @@ def turn_grammar(
     parallel_tool_calls: bool = True,
     thinking: bool = True,
     response_schema: dict[str, Any] | None = None,
+    allowed_tools: Sequence[str] | None = None,
 ) -> TurnGrammar | None:
     """The turn's grammar, or None where the answer is free (plain ``auto`` with parallel
     calls allowed, or ``none``, without a response format): those stay unconstrained.
@@ -143,18 +145,29 @@ def turn_grammar(
         raise GrammarError("tool_choice", f"no declared tool is named {forced_tool!r}")
     if tool_choice == "required" and not tools:
         raise GrammarError("tool_choice", "'required' needs at least one declared tool")
+    names = {_function(t).get("name") for t in tools}
+    if allowed_tools is not None:
+        unknown = [n for n in allowed_tools if n not in names]
+        if unknown:
+            raise GrammarError("tool_choice.allowed_tools.tools",
+                               f"no declared tool is named {unknown[0]!r}")
+        allowed_tools = tuple(dict.fromkeys(allowed_tools))
     # Under "auto" a function declared ``strict: true`` (what the openai SDK's
     # pydantic_function_tool sends) promises schema-valid arguments: the calls are then
     # constrained too, every declared tool's, after free content.
     strict = any(_function(t).get("strict") is True for t in tools)
+    # A callable subset (OpenAI's allowed_tools) keeps every tool in the prompt, so only the
+    # grammar keeps the model from calling the others.
     calls_constrained = forced_tool is not None or tool_choice == "required" or (
-        tool_choice == "auto" and bool(tools) and (not parallel_tool_calls or strict)
+        tool_choice == "auto" and bool(tools)
+        and (not parallel_tool_calls or strict or allowed_tools is not None)
     )
     if not calls_constrained and response_schema is None:
         return None
     grammar = TurnGrammar(
         tools if tool_choice != "none" else (),
         tool_choice, forced_tool, parallel_tool_calls, thinking, response_schema,
+        None if allowed_tools is None else tuple(allowed_tools),
     )
     # Built once with stand-in ids so a shape it cannot express is refused here, where the
     # request is still at hand, rather than when the engine compiles it.
@@ -230,6 +243,7 @@ class _Builder:
         spec = self._spec
         names = [spec.forced_tool] if spec.forced_tool else [
             _function(t)["name"] for t in spec.tools
+            if spec.allowed_tools is None or _function(t)["name"] in spec.allowed_tools
         ]
         calls = None
         if names:

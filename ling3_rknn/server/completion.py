@@ -83,8 +83,13 @@ def render_prompt(request: ChatRequest) -> Sequence[SegmentLike]:
 
 
 def callable_tools(request: ChatRequest) -> Any:
-    """The tools the model's output may call (none under ``tool_choice: none``)."""
-    return request.tools if request.tool_choice != "none" else None
+    """The tools the model's output may call (none under ``tool_choice: none``; the
+    ``allowed_tools`` subset where one is given)."""
+    if request.tool_choice == "none" or not request.tools:
+        return None
+    if request.allowed_tools is None:
+        return request.tools
+    return [t for t in request.tools if t["function"]["name"] in request.allowed_tools]
 
 
 def turn_grammar(request: ChatRequest) -> chat.TurnGrammar | None:
@@ -98,6 +103,7 @@ def turn_grammar(request: ChatRequest) -> chat.TurnGrammar | None:
             parallel_tool_calls=request.parallel_tool_calls,
             thinking=request.enable_thinking,
             response_schema=request.response_schema,
+            allowed_tools=request.allowed_tools,
         )
     except chat.GrammarError as exc:
         raise invalid_request(str(exc), param=exc.part) from None

@@ -57,6 +57,7 @@ class ChatRequest:
     sampling: SamplingParams
     enable_thinking: bool
     forced_tool: str | None = None  # tool_choice names this tool
+    allowed_tools: tuple[str, ...] | None = None  # tool_choice allowed_tools: callable subset
     response_schema: dict[str, Any] | None = None  # response_format's JSON schema
 
 
@@ -175,10 +176,28 @@ def _tool(value: Any, path: str) -> dict[str, Any]:
     )
 
 
-def _tool_choice(value: Any, path: str) -> str | dict[str, str]:
-    """A mode ("auto", "none", "required") or ``{"name": ...}`` for a named tool."""
+def _tool_choice(value: Any, path: str) -> str | dict[str, Any]:
+    """A mode ("auto", "none", "required"), ``{"name": ...}`` for a named tool, or
+    ``{"mode": ..., "names": [...]}`` for OpenAI's ``allowed_tools``."""
     if value in ("auto", "none", "required"):
         return value
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        named_tool = {"type": one_of("function"),
+                      "function": lambda v, p: json_object(v, p, {"name": _tool_name},
+                                                           ("name",))}
+        allowed = json_object(
+            value, path,
+            {"type": one_of("allowed_tools"),
+             "allowed_tools": lambda v, p: json_object(
+                 v, p, {"mode": one_of("auto", "required"),
+                        "tools": array(lambda t, q: json_object(t, q, named_tool,
+                                                                ("type", "function")),
+                                       min_items=1)},
+                 ("mode", "tools"))},
+            ("type", "allowed_tools"),
+        )["allowed_tools"]
+        return {"mode": allowed["mode"],
+                "names": [t["function"]["name"] for t in allowed["tools"]]}
     if isinstance(value, dict):
         named = json_object(
             value, path,
@@ -187,23 +206,30 @@ def _tool_choice(value: Any, path: str) -> str | dict[str, str]:
             ("type", "function"),
         )
         return {"name": named["function"]["name"]}
-    fail(path, f"expected 'auto', 'none', 'required' or a function object, got {value!r}")
+    fail(path, "expected 'auto', 'none', 'required', a function object or allowed_tools, "
+               f"got {value!r}")
     raise AssertionError("unreachable")
 
 
 def _resolved_tool_choice(
-    choice: str | dict[str, str], tools: list[dict[str, Any]] | None
-) -> tuple[str, str | None]:
-    """(mode, forced tool name) once the tools are known."""
+    choice: str | dict[str, Any], tools: list[dict[str, Any]] | None
+) -> tuple[str, str | None, tuple[str, ...] | None]:
+    """(mode, forced tool name, allowed subset) once the tools are known."""
+    names = {t["function"]["name"] for t in tools or ()}
+    if isinstance(choice, dict) and "names" in choice:
+        for i, name in enumerate(choice["names"]):
+            if name not in names:
+                fail(f"tool_choice.allowed_tools.tools[{i}].function.name",
+                     f"{name!r} is not one of the declared tools")
+        return choice["mode"], None, tuple(dict.fromkeys(choice["names"]))
     if isinstance(choice, dict):
-        names = {t["function"]["name"] for t in tools or ()}
         if choice["name"] not in names:
             fail("tool_choice.function.name",
                  f"{choice['name']!r} is not one of the declared tools")
-        return "required", choice["name"]
+        return "required", choice["name"], None
     if choice == "required" and not tools:
         fail("tool_choice", "'required' needs at least one tool in 'tools'")
-    return choice, None
+    return choice, None, None
 
 
 # ---- top level --------------------------------------------------------------------------
@@ -360,8 +386,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools = fields.get("tools") or None
         if tools:
             _duplicate_tool_names(tools)
-        tool_choice, forced_tool = _resolved_tool_choice(fields.get("tool_choice") or "auto",
-                                                         tools)
+        tool_choice, forced_tool, allowed_tools = _resolved_tool_choice(
+            fields.get("tool_choice") or "auto", tools)
     except Invalid as exc:
         raise invalid_request(exc.message, exc.param) from None
     max_tokens = fields.get("max_completion_tokens") or fields.get("max_tokens")
@@ -382,6 +408,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=tools,
         tool_choice=tool_choice,
         forced_tool=forced_tool,
+        allowed_tools=allowed_tools,
         parallel_tool_calls=fields.get("parallel_tool_calls") is not False,
         stream=bool(fields.get("stream")),
         include_usage=bool(stream_options.get("include_usage")),
