@@ -105,7 +105,10 @@ SAMPLING = st.builds(
 @given(sampling=SAMPLING)
 async def test_forced_calls_are_valid_whatever_the_sampling(engine, mode, sampling):
     choice, allowed, at_least, at_most = MODES[mode]
-    finished, calls = await constrained(engine, [USER], sampling=sampling, **choice)
+    # free content rarely ends by itself with random weights: a short limit keeps it cheap
+    limit = 48 if mode.startswith("auto") else 160
+    finished, calls = await constrained(engine, [USER], sampling=sampling, max_tokens=limit,
+                                        **choice)
     message = parse_assistant(finished.text, TOOLS, thinking=False,
                               parallel_tool_calls=choice.get("parallel_tool_calls", True))
     assert [c.name for c in message.tool_calls] == [c.name for c in calls]
