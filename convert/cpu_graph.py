@@ -16,8 +16,10 @@ rewrites below take them to 7-16 nodes, each exact up to float32 rounding:
    becomes one ``SimplifiedLayerNormalization`` (onnxruntime's fused RMSNorm kernel, the
    op its own optimizer fuses ``Pow``-spelled RMSNorm into; float32 statistics).
 3. **Cloned elementwise nodes** (``onnx_ops.GraphBuilder.output`` recomputes an output
-   instead of an Identity, for rknn-toolkit2) are computed once, and **Identity** nodes
-   in front of graph outputs are dropped (the producer writes the output directly).
+   instead of an Identity, for rknn-toolkit2) are computed once, **Identity** nodes in
+   front of graph outputs are dropped (the producer writes the output directly), and a
+   ``Split`` straight into a ``Concat`` of the same pieces (the lm_head, written in row
+   blocks for the NPU and merged by 1.) goes.
 
 Graph inputs and outputs keep their names and order (the stage contract reads outputs
 by position). The ops are onnxruntime's (``com.microsoft`` MatMulNBits was already), so
@@ -42,6 +44,7 @@ def fuse_for_cpu(model: onnx.ModelProto) -> onnx.ModelProto:
     _dedupe(g, nodes)
     _rmsnorm(g, nodes)
     _merge_matmul_nbits(g, nodes)
+    _drop_split_concat(g, nodes)
     _drop_output_identities(g, nodes)
     del g.node[:]
     g.node.extend(nodes)
@@ -174,6 +177,29 @@ def _merge_matmul_nbits(g: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None
         for n in group:
             nodes.remove(n)
         nodes[at:at] = [fused, split]
+
+
+def _drop_split_concat(g: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    """A ``Split`` whose pieces only feed one ``Concat`` on the same axis, in order, undoes
+    itself (the lm_head written in row blocks for the NPU, merged back above)."""
+    outputs = {o.name for o in g.output}
+    for split in [n for n in nodes if n.op_type == "Split" and not n.domain]:
+        pieces = list(split.output)
+        users = {id(n): n for p in pieces for n in _consumers(nodes, p)}
+        if len(users) != 1 or any(p in outputs for p in pieces):
+            continue
+        (concat,) = users.values()
+        if concat.op_type != "Concat" or concat.domain or list(concat.input) != pieces:
+            continue
+        if _attrs(split).get("axis") != -1 or _attrs(concat).get("axis") not in (-1, 2):
+            continue  # stage tensors are [1, T, width]: the last axis is 2
+        source = split.input[0]
+        producer = next((p for p in nodes if source in p.output), None)
+        if producer is None or len(_consumers(nodes, source)) != 1:
+            continue
+        producer.output[list(producer.output).index(source)] = concat.output[0]
+        nodes.remove(split)
+        nodes.remove(concat)
 
 
 def _drop_output_identities(g: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:

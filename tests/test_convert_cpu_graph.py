@@ -82,3 +82,27 @@ def test_accuracy_level_4_stays_within_activation_rounding(tmp_path):
     _, got = run(quantize_matmuls(src, **kw), x)
     for w, g in zip(want, got, strict=True):
         assert np.abs(g - w).max() <= 1e-2 * np.abs(w).max()
+
+
+def test_a_row_split_lm_head_becomes_one_matmul(tmp_path):
+    """The final stage writes the lm_head as row blocks joined by a Concat (NPU size
+    limits); merged, the Split/Concat pair undoes itself and goes."""
+    import onnx
+
+    rng = np.random.default_rng(5)
+    d, rows = 64, (48, 48, 32)
+    b = GraphBuilder("final", external_data=tmp_path / "final.onnx.data")
+    h = b.rmsnorm(b.input("x", [1, "T", d]), rng.normal(1, 0.1, d).astype(np.float32), 1e-6,
+                  "norm")
+    parts = [b.linear(h, (rng.normal(size=(n, d)) / d ** 0.5).astype(np.float32), f"head{i}")
+             for i, n in enumerate(rows)]
+    b.output(b.node("Concat", parts, "logits", axis=-1), "logits")
+    onnx.save(b.build(), str(tmp_path / "final.onnx"))
+    kw = dict(bits=8, block_size=32, accuracy_level=0)
+    plain = quantize_matmuls(tmp_path / "final.onnx", fuse=False, **kw)
+    fused = quantize_matmuls(tmp_path / "final.onnx", **kw)
+    assert [n.op_type for n in fused.graph.node] == ["SimplifiedLayerNormalization",
+                                                     "MatMulNBits"]
+    x = rng.normal(size=(1, 3, d)).astype(np.float32)
+    (want,), (got,) = run(plain, x)[1], run(fused, x)[1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

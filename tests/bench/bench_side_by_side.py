@@ -313,8 +313,8 @@ def ensure_checkpoint(work: Path, oracle_python: Path, seed: int) -> Path:
 
 
 # Bumped when the converter's --target cpu output changes, so a cached bundle is rebuilt
-# (2: stage graphs fused for onnxruntime, convert/cpu_graph.py).
-BUNDLE_REVISION = 2
+# (2: stage graphs fused for onnxruntime, convert/cpu_graph.py; 3: no Split/Concat in final).
+BUNDLE_REVISION = 3
 
 
 def ensure_bundle(ckpt: Path, work: Path, cli: list[str]) -> Path:
