@@ -96,10 +96,19 @@ PIECES = [
     st.data(),
     st.booleans(),
     st.booleans(),
+    st.booleans(),
 )
-def test_any_split_of_marker_soup_gives_the_whole_text_result(text, data, thinking, parallel):
+def test_any_split_of_marker_soup_gives_the_whole_text_result(text, data, thinking, parallel,
+                                                              calls_only_first):
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=10))
-    _check(text, cuts, TOOLS, thinking=thinking, parallel_tool_calls=parallel)
+    _check(text, cuts, TOOLS, thinking=thinking, parallel_tool_calls=parallel,
+           calls_only_first=calls_only_first)
+
+
+def test_calls_only_first_is_split_invariant_at_a_held_back_marker():
+    text = "<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n</tool_call>"
+    for cut in range(len(text)):
+        _check(text, [cut], TOOLS, thinking=False, calls_only_first=True)
 
 
 def test_reasoning_and_content_stream_early():

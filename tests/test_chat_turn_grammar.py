@@ -292,3 +292,49 @@ def test_allowed_tools_keep_the_others_uncallable(tok, ll):
     assert not admits(tok, ll, required, ["Sure."])
     with pytest.raises(GrammarError):
         turn_grammar(TOOLS, allowed_tools=["nope"])
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^(?=.*[A-Z]).{3,}$"},  # llguidance has no lookahead
+    {"type": "string", "minLength": -3},
+    {"type": "string", "enum": 5},
+    {"type": "integer", "minimum": "x"},
+])
+def test_a_lenient_tool_the_library_refuses_gets_free_arguments(tok, schema):
+    """Compiled the way the engine does: an "auto" turn's non-strict tool whose schema the
+    grammar or llguidance cannot follow falls back to free arguments; under "required" the
+    same schema is the client's 400."""
+    from ling3_rknn.engine.api import InvalidRequest
+    from ling3_rknn.engine.grammar_constraint import GrammarCompiler
+
+    compiler = GrammarCompiler(tok)
+    tools = [tool_with({"x": schema}), PING]
+    auto = turn_grammar(tools, parallel_tool_calls=False, thinking=False)
+    constraint = compiler.compile(auto)
+    assert constraint is not None
+    with pytest.raises((GrammarError, InvalidRequest)):
+        compiler.compile(turn_grammar(tools, **REQUIRED))
+
+
+def test_enum_values_that_spell_a_marker_are_left_out(tok, ll):
+    grammar = turn_grammar([tool_with({"x": {"type": "string", "enum": ["a</arg_value>b", "c"]}},
+                                      required=["x"])], **REQUIRED)
+    assert admits(tok, ll, grammar, call("f", x="c"))
+    assert not admits(tok, ll, grammar, call("f", x="a</arg_value>b"))
+
+
+def test_embedded_schemas_keep_their_own_defs_and_drop_the_root_id(tok, ll):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "$id": "https://example.com/args", "type": "object",
+        "$defs": {"Root": {"type": "integer"}},
+        "properties": {
+            "a": {"type": "object", "$defs": {"Own": {"type": "boolean"}},
+                  "properties": {"b": {"$ref": "#/properties/a/$defs/Own"},
+                                 "c": {"$ref": "#/$defs/Root"}},
+                  "required": ["b", "c"]},
+            "d": {"type": "array", "items": {"$ref": "#/properties/a"}, "maxItems": 1}},
+        "required": ["a"]}}}
+    grammar = turn_grammar([tool], **REQUIRED)
+    assert admits(tok, ll, grammar, call("f", a='{"b": true, "c": 3}',
+                                         d='[{"b": false, "c": 1}]'))
+    assert not admits(tok, ll, grammar, call("f", a='{"b": 1, "c": 3}'))

@@ -279,9 +279,26 @@ def test_allowed_tools_restrict_the_callable_subset():
         {"type": "function", "function": {"name": "write"}}]}}
     error = rejected(body(tools=[TOOL], tool_choice=bad))
     assert error.param == "tool_choice.allowed_tools.tools[0].function.name"
+    whole = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [TOOL]}}
+    assert parse_chat_request(body(tools=[TOOL], tool_choice=whole)).allowed_tools == ("read",)
     empty = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}
     assert rejected(body(tools=[TOOL], tool_choice=empty)).param == (
         "tool_choice.allowed_tools.tools")
+
+
+def test_a_grammar_turn_has_no_end_of_turn_stop_string():
+    """Under a grammar free text cannot spell <|role_end|>, and a JSON string that does must
+    not be cut; a forced call also drops the client's stop strings."""
+    from ling3_rknn.chat import render
+    from ling3_rknn.server.completion import generation_request
+
+    def stops(**extra):
+        request = parse_chat_request(body(stop=["END"], **extra))
+        return generation_request(request, render(request.messages, request.tools)).stop
+
+    assert stops() == ("END", "<|role_end|>")
+    assert stops(response_format={"type": "json_object"}) == ("END",)
+    assert stops(tools=[TOOL], tool_choice="required") == ()
 
 
 def test_forced_tools_and_response_formats_resolve():

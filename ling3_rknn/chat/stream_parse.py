@@ -221,7 +221,11 @@ class StreamingParser:
     def _in_content(self, final: bool) -> bool:
         buf = self._buf
         i = buf.find(OPEN)
-        allowed = self._calls_allowed(buf if i < 0 else buf[:i])
+        if i >= 0:
+            before = buf[:i]
+        else:  # a held-back tail that may still become "<tool_call>" is not content yet
+            before = buf if final else buf[: len(buf) - _hold_length(buf, (OPEN,))]
+        allowed = self._calls_allowed(before)
         if allowed and i >= 0:
             self._push_content(buf[:i], hold_newline=True)
             self._buf = buf[i + len(OPEN) :]

@@ -47,9 +47,11 @@ def json_types(schema: Any) -> set[str]:
     elif isinstance(kind, list):
         out.update(k for k in kind if isinstance(k, str))
     for key in ("anyOf", "oneOf", "allOf"):
-        for sub in schema.get(key) or []:
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else []:
             out |= json_types(sub)
-    values = list(schema.get("enum") or [])
+    enum = schema.get("enum")
+    values = list(enum) if isinstance(enum, list) else []
     if "const" in schema:
         values.append(schema["const"])
     if not kind:

@@ -26,6 +26,7 @@ Choices that keep what the grammar allows inside what ``StreamingParser`` accept
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -87,7 +88,7 @@ class GrammarText:
 
     def part_at_line(self, line: int) -> str | None:
         """The request part whose rule is on 1-based ``line`` of ``lark``."""
-        lines = self.lark.splitlines()
+        lines = self.lark.split("\n")  # not splitlines(): U+2028 in a literal is no break
         if not 1 <= line <= len(lines):
             return None
         name = lines[line - 1].split(":", 1)[0].strip()
@@ -105,6 +106,19 @@ class TurnGrammar:
     thinking: bool = True
     response_schema: dict[str, Any] | None = None  # the content's JSON schema
     allowed_tools: tuple[str, ...] | None = None  # callable subset of the declared tools
+    # Lenient tools whose schema the constraint library refused: free arguments for them.
+    free_tools: frozenset[str] = frozenset()
+
+    def relaxed(self, part: str | None) -> TurnGrammar | None:
+        """This grammar with free arguments for the tool ``part`` names, when that tool's
+        schema is not the client's demand (docs/serving.md 9); else None (a 400)."""
+        match = re.match(r"tools\[(\d+)\]", part or "")
+        if match is None or int(match.group(1)) >= len(self.tools):
+            return None
+        name = _function(self.tools[int(match.group(1))]).get("name")
+        if name in self.free_tools or name in _strict_tools(self):
+            return None
+        return dataclasses.replace(self, free_tools=self.free_tools | {name})
 
     def lark(self, token_ids: Mapping[str, int]) -> GrammarText:
         """The grammar with the markers at ``token_ids`` (the tokenizer's special ids)."""
@@ -175,6 +189,14 @@ def turn_grammar(
     return grammar
 
 
+def _strict_tools(spec: TurnGrammar) -> set[Any]:
+    """Tools whose schema problems are the client's 400: all when a call is required, else
+    the ones declared strict."""
+    forced = spec.forced_tool is not None or spec.tool_choice == "required"
+    return {_function(t).get("name") for t in spec.tools
+            if forced or _function(t).get("strict") is True}
+
+
 def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     fn = tool.get("function")
     return fn if isinstance(fn, dict) else tool
@@ -189,7 +211,10 @@ def _regex_body(regex: str) -> str:
     """``regex`` inside a Lark ``/.../`` literal: a "/" not already escaped gets its
     backslash (an escaped one, legal in ECMA patterns, is kept as it is)."""
     escaped = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", regex)
-    return escaped.replace("\x01", "\\x01")
+    for raw, escape in (("\x01", "\\x01"), ("\n", "\\n"), ("\r", "\\r"),
+                        ("\u2028", "\\x{2028}"), ("\u2029", "\\x{2029}")):
+        escaped = escaped.replace(raw, escape)
+    return escaped
 
 
 # No free text may spell a marker the template writes (see the module docstring).
@@ -220,9 +245,7 @@ class _Builder:
         # constrained for parallel_tool_calls: false or a strict sibling) never turn a
         # request that was served unconstrained into an error: unknown keywords are
         # ignored and a schema the grammar cannot follow gets free arguments.
-        forced = spec.forced_tool is not None or spec.tool_choice == "required"
-        self._strict = {_function(t).get("name") for t in spec.tools
-                        if forced or _function(t).get("strict") is True}
+        self._strict = _strict_tools(spec)
         self._lenient = False
         self._rules: list[str] = []
         self._parts: dict[str, str] = {}
@@ -277,16 +300,19 @@ class _Builder:
         where = f"tools[{self._spec.tools.index(tool)}].function"
         params = _function(tool).get("parameters") or {}
         self._lenient = name not in self._strict
-        if self._lenient:
-            mark = len(self._rules), dict(self._parts)
-            try:
-                args = self._arguments(index, params, where)
-            except GrammarError:
-                del self._rules[mark[0]:]
-                self._parts = mark[1]
-                args = self._free_arguments(index)
-        else:
+        mark = len(self._rules), dict(self._parts)
+        try:
+            if name in self._spec.free_tools:
+                raise GrammarError(where, "the constraint library refused this schema")
             args = self._arguments(index, params, where)
+        except (GrammarError, TypeError, AttributeError) as exc:
+            if not self._lenient:
+                if isinstance(exc, GrammarError):
+                    raise
+                raise GrammarError(f"{where}.parameters", f"malformed schema ({exc})") from exc
+            del self._rules[mark[0]:]
+            self._parts = mark[1]
+            args = self._free_arguments(index)
         rule = f"call_{index}"
         body = [self._token(markers.TOOL_CALL_OPEN), _literal(name), '"\\n"']
         if args:
@@ -305,6 +331,8 @@ class _Builder:
                 "a forced call needs an object schema with 'properties'",
             )
         required = params.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise GrammarError(f"{where}.parameters.required", "must be a list of names")
         unknown = [r for r in required if r not in properties]
         if unknown:
             raise GrammarError(f"{where}.parameters.required",
@@ -372,7 +400,8 @@ class _Builder:
         if pattern is not None and not isinstance(pattern, str):
             raise GrammarError(part, "pattern must be a string")
         regexes = [] if pattern is None else [_full_match(pattern)]
-        fmt = _FORMATS.get(schema.get("format"))  # type: ignore[arg-type]
+        fmt = schema.get("format")
+        fmt = _FORMATS.get(fmt) if isinstance(fmt, str) else None
         if fmt is not None:
             regexes.append(fmt)
         if "enum" in schema or "const" in schema:
@@ -393,12 +422,17 @@ class _Builder:
     def _string_choice(self, rule: str, schema: Mapping[str, Any], part: str, lo: int,
                        hi: int | None, pattern: str | None, fmt: str | None) -> tuple[str, bool]:
         """``enum``/``const`` strings that also satisfy their sibling keywords."""
-        choices = list(schema.get("enum") or [])
+        enum = schema.get("enum")
+        if enum is not None and not isinstance(enum, list):
+            raise GrammarError(part, "enum must be a list")
+        choices = list(enum or [])
         if "const" in schema:
             choices = [c for c in choices if c == schema["const"]] if "enum" in schema else [
                 schema["const"]]
+        # A value that spells a marker would end the value early for the parser.
         strings = [c for c in dict.fromkeys(c for c in choices if isinstance(c, str))
                    if lo <= len(c) and (hi is None or len(c) <= hi)
+                   and not any(m in c for m in markers.CONTROL_MARKERS)
                    and _python_search(pattern, c) and _python_search(fmt, c, full=True)]
         if not strings:
             raise GrammarError(part, "no string value satisfies enum/const with the other "
@@ -481,17 +515,49 @@ def _embedded(schema: dict[str, Any], root: Mapping[str, Any]) -> dict[str, Any]
 
     used: set[bool] = set()
     out = rewrite(schema)
-    defs = {k: rewrite(root[k]) for k in ("$defs", "definitions") if isinstance(root.get(k), dict)}
-    if used:
-        defs["$defs"] = {**defs.get("$defs", {}), _PARAMETERS_DEF: rewrite(dict(root))}
-    return {**defs, **out}
+    merged: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):  # the parameter's own defs win over the root's
+        root_defs = rewrite(root[key]) if isinstance(root.get(key), dict) else {}
+        own = out.get(key) if isinstance(out.get(key), dict) else {}
+        if root_defs or own:
+            merged[key] = {**root_defs, **own}
+    if used:  # a copy of the arguments object, without an $id that would move the base
+        copy = {k: v for k, v in root.items() if k != "$id"}
+        merged["$defs"] = {**merged.get("$defs", {}), _PARAMETERS_DEF: rewrite(copy)}
+    return {**out, **merged}
 
 
 def _full_match(pattern: str) -> str:
     """JSON Schema's ``pattern`` finds a match anywhere; a Lark lexeme matches the whole
-    value, so an unanchored side is padded with ``.*``."""
-    head = pattern[1:] if pattern.startswith("^") else "(?s:.*)" + pattern
+    value, so each top-level alternative gets ``.*`` on every side it does not anchor."""
+    return "(?:" + "|".join(_anchored(alt) for alt in _alternatives(pattern)) + ")"
+
+
+def _anchored(alternative: str) -> str:
+    head = alternative[1:] if alternative.startswith("^") else "(?s:.*)" + alternative
     trailing = len(head[:-1]) - len(head[:-1].rstrip("\\")) if head.endswith("$") else 0
-    tail_anchored = head.endswith("$") and trailing % 2 == 0  # "\\$" is a literal "$"
-    body = head[:-1] if tail_anchored else head
-    return f"(?:{body})" if tail_anchored else f"(?:{body})(?s:.*)"
+    if head.endswith("$") and trailing % 2 == 0:  # "\\$" is a literal "$"
+        return f"(?:{head[:-1]})"
+    return f"(?:{head})(?s:.*)"
+
+
+def _alternatives(pattern: str) -> list[str]:
+    """``pattern`` split at its top-level ``|`` (outside groups, classes and escapes)."""
+    parts, depth, in_class, escaped, start = [], 0, False, False, 0
+    for i, char in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        elif char == "|" and depth == 0:
+            parts.append(pattern[start:i])
+            start = i + 1
+    return [*parts, pattern[start:]]

@@ -16,16 +16,19 @@ sampled token and advances the matcher with every token the turn gets, sampled o
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import llguidance
 import numpy as np
 
 from .api import GrammarSource, InvalidRequest
+
+log = logging.getLogger(__name__)
 
 
 class GrammarTokenizer(Protocol):
@@ -62,23 +65,30 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._ll: llguidance.LLTokenizer | None = None
+        self._unreadable: str | None = None
         # An agent sends the same tools every turn, so the same grammar: compiled matchers
         # are kept by their text (LRU) and each request gets a copy in its start state
         # (0.02 ms instead of ~10 ms for 20 tools).
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cached_grammars = cached_grammars
-        # Grammars that compiled but broke llguidance's limits while generating: refused at
-        # admission from then on (a retry would fail the same way).
-        self._refused: dict[str, InvalidRequest] = {}
 
     def prepare(self) -> None:
-        """Build llguidance's view of the tokenizer now, where the tokenizer allows it."""
-        if getattr(self._tokenizer, "library_json", None) is not None:
+        """Build llguidance's view of the tokenizer now, where the tokenizer allows it. A
+        tokenizer llguidance cannot read is logged; constrained requests then get the 400
+        from ``compile``, and the server still serves the rest."""
+        if getattr(self._tokenizer, "library_json", None) is None:
+            return
+        try:
             self._ll_tokenizer()
+        except Exception as exc:  # the Rust side raises plain exceptions
+            log.warning("constrained decoding unavailable: llguidance cannot read the "
+                        "tokenizer: %s", exc)
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll is None:
+                if self._unreadable is not None:
+                    raise InvalidRequest(self._unreadable)
                 library_json = getattr(self._tokenizer, "library_json", None)
                 if library_json is None:
                     raise InvalidRequest(
@@ -86,50 +96,56 @@ class GrammarCompiler:
                         "parallel_tool_calls false, response_format) is not available with "
                         "this engine's tokenizer"
                     )
-                self._ll = llguidance.LLTokenizer(
-                    library_json(),
-                    n_vocab=int(self._tokenizer.vocab_size),
-                    eos_token=int(self._tokenizer.eos_id),
-                    slices=SLICES,
-                )
+                try:
+                    self._ll = llguidance.LLTokenizer(
+                        library_json(),
+                        n_vocab=int(self._tokenizer.vocab_size),
+                        eos_token=int(self._tokenizer.eos_id),
+                        slices=SLICES,
+                    )
+                except Exception as exc:  # the Rust side raises plain exceptions
+                    self._unreadable = ("constrained decoding is not available: the "
+                                        f"constraint library cannot read the tokenizer ({exc})")
+                    raise InvalidRequest(self._unreadable) from exc
             return self._ll
 
     def compile(self, source: GrammarSource) -> TokenConstraint:
         """A fresh matcher for one request; InvalidRequest names what cannot be served."""
         ll = self._ll_tokenizer()
+        text = self._text(source)
+        key = text.lark
+        with self._lock:
+            start = self._compiled.get(key)
+            if start is not None:
+                self._compiled.move_to_end(key)
+        while start is None:
+            matcher = llguidance.LLMatcher(ll, text.lark, log_level=0)
+            if not matcher.is_error():
+                start = matcher
+                break
+            error = _invalid(matcher.get_error(), text)
+            # A tool whose schema is not the client's demand (a lenient one of an "auto"
+            # turn) gets free arguments instead of failing the request (docs/serving.md 9).
+            relaxed = getattr(source, "relaxed", None)
+            source = relaxed(error.param) if relaxed is not None else None
+            if source is None:
+                raise error
+            text = self._text(source)
+        with self._lock:  # kept under the text the request asked for
+            self._compiled[key] = start
+            self._compiled.move_to_end(key)
+            while len(self._compiled) > self._cached_grammars:
+                self._compiled.popitem(last=False)
+        return TokenConstraint(start.deep_copy(), ll.vocab_size)
+
+    def _text(self, source: GrammarSource) -> Any:
         try:
-            text = source.lark(self._tokenizer.special_ids)
+            return source.lark(self._tokenizer.special_ids)
         except ValueError as exc:  # chat.GrammarError: a shape the grammar cannot express
             raise InvalidRequest(str(exc), getattr(exc, "part", None)) from exc
-        with self._lock:
-            refused = self._refused.get(text.lark)
-            start = self._compiled.get(text.lark)
-            if start is not None:
-                self._compiled.move_to_end(text.lark)
-        if refused is not None:
-            raise InvalidRequest(str(refused), refused.param)
-        if start is None:
-            start = llguidance.LLMatcher(ll, text.lark, log_level=0)
-            if start.is_error():
-                raise _invalid(start.get_error(), text)
-            with self._lock:
-                self._compiled[text.lark] = start
-                while len(self._compiled) > self._cached_grammars:
-                    self._compiled.popitem(last=False)
-
-        def refuse(error: str) -> InvalidRequest:
-            refusal = _invalid(error, text, while_generating=True)
-            with self._lock:
-                self._compiled.pop(text.lark, None)
-                self._refused[text.lark] = refusal
-                if len(self._refused) > 256:  # bounded: oldest first
-                    self._refused.pop(next(iter(self._refused)))
-            return refusal
-
-        return TokenConstraint(start.deep_copy(), ll.vocab_size, refuse)
 
 
-def _invalid(error: str, text: Any, *, while_generating: bool = False) -> InvalidRequest:
+def _invalid(error: str, text: Any) -> InvalidRequest:
     """llguidance's error (first line) as a 400 naming the request part its grammar line
     came from, where the error has a line."""
     first = error.strip().splitlines()[0] if error.strip() else "the grammar is invalid"
@@ -138,8 +154,6 @@ def _invalid(error: str, text: Any, *, while_generating: bool = False) -> Invali
     if place is not None:
         first = first[place.end():]
         part = text.part_at_line(int(place.group(1)))
-    if while_generating:
-        first = f"the grammar exceeded the constraint library's limits while generating ({first})"
     return InvalidRequest(f"{part or 'cannot constrain the answer'}: {first}", part)
 
 
@@ -155,19 +169,17 @@ _BYTE_BIAS = np.where(
 class TokenConstraint:
     """One request's grammar state; used only by the engine's worker thread."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int,
-                 refuse: Callable[[str], InvalidRequest] | None = None) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher = matcher
         self._words = np.empty((vocab_size + 31) // 32, np.int32)
-        self._refuse = refuse
 
     def _failed(self, what: str) -> Exception:
-        """The matcher broke mid-answer: a 400 for the request (the grammar, not the model,
-        is at fault), remembered so the same grammar is refused at admission next time."""
+        """The matcher broke mid-answer (a limit of the library, reached by what this answer
+        sampled): a 400 for the request, since the grammar and not the model is at fault.
+        Not remembered: another answer under the same grammar may well finish."""
         error = self._matcher.get_error() or what
-        if self._refuse is not None:
-            return self._refuse(error)
-        return InvalidRequest(f"cannot constrain the answer: {error}")
+        return InvalidRequest("cannot constrain the answer: the grammar exceeded the "
+                              f"constraint library's limits while generating ({error})")
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of one logits row with every token the grammar forbids at -inf."""

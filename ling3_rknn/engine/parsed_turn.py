@@ -19,6 +19,7 @@ from ling3_rknn.chat.events import (
     TextDelta,
     ToolCallParsed,
 )
+from ling3_rknn.chat.markers import THINK_CLOSE
 
 from .api import TurnParser
 
@@ -32,6 +33,7 @@ class ParsedTurn:
         self._tokens = 0  # tokens of the deltas fed while the reasoning block was open
         self._answering = False  # a content delta or a call has been released
         self._saw_reasoning = False
+        self._tail = ""  # the last characters fed, to see a </think> split across deltas
 
     @property
     def parsing(self) -> bool:
@@ -41,11 +43,17 @@ class ParsedTurn:
         if self._parser is None:
             return [delta]
         # A call is released only once complete, so "before the first answer event" would
-        # count a call that follows the reasoning as reasoning; the parser knows better.
-        reasoning_over = getattr(self._parser, "reasoning_done", False)
-        if not self._answering and not reasoning_over:
+        # count a call that follows the reasoning as reasoning; the parser knows better. The
+        # delta that closes the block counts when it holds </think>, not when the block
+        # ended at a <tool_call> (which belongs to the call).
+        was_open = not self._answering and not getattr(self._parser, "reasoning_done", False)
+        seen = self._tail + delta.text  # </think> may be split across deltas
+        self._tail = seen[-(len(THINK_CLOSE) - 1):]
+        events = self._track(self._parser.feed(delta.text))
+        if was_open and (not getattr(self._parser, "reasoning_done", False)
+                         or THINK_CLOSE in seen):
             self._tokens += len(delta.token_ids)
-        return self._track(self._parser.feed(delta.text))
+        return events
 
     def finish(self) -> list[GenerationEvent]:
         return [] if self._parser is None else self._track(self._parser.finish())

@@ -113,7 +113,10 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
     # A turn the grammar makes all calls (tool_choice required or named) ends where the
     # grammar says: a stop string would cut a call and hand its markup back as content.
     forced = request.tool_choice == "required" and bool(request.tools)
-    stops = [*(() if forced else request.stop), END_OF_TURN_TEXT]
+    grammar = turn_grammar(request)
+    # Under a grammar free text cannot spell the end-of-turn marker, but a JSON string may:
+    # that stop string would only cut valid JSON short.
+    stops = [*(() if forced else request.stop), *(() if grammar else (END_OF_TURN_TEXT,))]
     return GenerationRequest(
         prompt=prompt,
         sampling=request.sampling,
@@ -126,7 +129,7 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
             parallel_tool_calls=request.parallel_tool_calls,
             calls_only_first=request.response_schema is not None,
         ),
-        grammar=turn_grammar(request),
+        grammar=grammar,
     )
 
 

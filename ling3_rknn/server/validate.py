@@ -182,16 +182,16 @@ def _tool_choice(value: Any, path: str) -> str | dict[str, Any]:
     if value in ("auto", "none", "required"):
         return value
     if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        # Entries may be whole tool definitions (the spec types them as objects): only the
+        # name is read, the rest was already checked in "tools".
         named_tool = {"type": one_of("function"),
-                      "function": lambda v, p: json_object(v, p, {"name": _tool_name},
-                                                           ("name",))}
+                      "function": lambda v, p: _function_name_of(v, p)}
         allowed = json_object(
             value, path,
             {"type": one_of("allowed_tools"),
              "allowed_tools": lambda v, p: json_object(
                  v, p, {"mode": one_of("auto", "required"),
-                        "tools": array(lambda t, q: json_object(t, q, named_tool,
-                                                                ("type", "function")),
+                        "tools": array(lambda t, q: _allowed_entry(t, q, named_tool),
                                        min_items=1)},
                  ("mode", "tools"))},
             ("type", "allowed_tools"),
@@ -209,6 +209,19 @@ def _tool_choice(value: Any, path: str) -> str | dict[str, Any]:
     fail(path, "expected 'auto', 'none', 'required', a function object or allowed_tools, "
                f"got {value!r}")
     raise AssertionError("unreachable")
+
+
+def _allowed_entry(value: Any, path: str, fields: dict[str, Check]) -> dict[str, Any]:
+    entry = any_object(value, path)
+    return json_object({k: entry[k] for k in fields if k in entry}, path, fields,
+                       ("type", "function"))
+
+
+def _function_name_of(value: Any, path: str) -> dict[str, Any]:
+    function = any_object(value, path)
+    if "name" not in function:
+        fail(join(path, "name"), "this field is required")
+    return {"name": _tool_name(function["name"], join(path, "name"))}
 
 
 def _resolved_tool_choice(
