@@ -1,10 +1,11 @@
 """The grammar of one assistant turn, built per request, for constrained decoding.
 
-``tool_choice: "required"`` or a named tool, ``parallel_tool_calls: false`` and
-``response_format`` are served by masking the sampler with a grammar of the whole turn in
-Bailing V3's format (docs/serving.md section 9). The grammar is Lark text in llguidance's
-dialect, which the engine compiles against the tokenizer; this module only writes it, so the
-chat layer stays a leaf and the format's shape lives next to the parser that reads it back.
+``tool_choice: "required"``, a named tool, ``allowed_tools``, ``parallel_tool_calls: false``,
+strict tools and ``response_format`` are served by masking the sampler with a grammar of the
+whole turn in Bailing V3's format (docs/serving.md section 9). The grammar is Lark text in
+llguidance's dialect, which the engine compiles against the tokenizer; this module only
+writes it, so the chat layer stays a leaf and the format's shape lives next to the parser
+that reads it back.
 
 Choices that keep what the grammar allows inside what ``StreamingParser`` accepts:
 
@@ -13,15 +14,16 @@ Choices that keep what the grammar allows inside what ``StreamingParser`` accept
   not for the grammar;
 * calls are written in the template's own layout (``<tool_call>NAME\\n<arg_key>K</arg_key>
   \\n<arg_value>V</arg_value>...\\n</tool_call>``, ``\\n`` between calls), so a forced turn
-  re-renders to the ids it was generated with and the prefix cache keeps hitting;
+  re-renders to the text it was generated as and the prefix cache keeps hitting;
 * arguments follow the declaration order of the parameters, required ones present, optional
   ones optional, none undeclared (the same fixed order llama.cpp and xgrammar use for JSON
   objects: any-order with all-required is not context-free-small);
 * a string-only parameter is raw text (the template writes strings unquoted) honouring
-  ``enum``/``const``/``pattern``/``minLength``/``maxLength``; every other parameter is JSON
-  for its schema, compiled by llguidance's JSON-schema compiler, compact (``", "`` and
-  ``": "``) so a weak model cannot run away in whitespace. ``format`` is an annotation
-  (JSON Schema's default) and is not enforced on raw strings.
+  ``enum``/``const``/``pattern``/``minLength``/``maxLength`` and the common ``format``s;
+  every other parameter is JSON for its schema, compiled by llguidance's JSON-schema
+  compiler, compact (``", "`` and ``": "``) so a weak model cannot run away in whitespace;
+* schema problems are the client's 400 only for the tools it requires (or declares strict)
+  and the response format; the other tools of an "auto" turn fall back to free arguments.
 """
 
 from __future__ import annotations
