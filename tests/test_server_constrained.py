@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import jsonschema
 import openai
 import pytest
@@ -188,3 +189,21 @@ async def test_allowed_tools_required_calls_only_the_listed_tool(client, stream)
     choice = done.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert [c.function.name for c in valid_calls(choice.message, {"get_time"})] == ["get_time"]
+
+
+async def test_metrics_count_constrained_completions(demo_engine):
+    async with running_server(demo_engine) as srv:
+        client = openai.AsyncOpenAI(base_url=srv.v1, api_key="none", max_retries=0)
+        try:
+            await complete(client, False, tools=TOOLS,
+                           messages=[{"role": "user", "content": "Time in Oslo?"}],
+                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+            await complete(client, False, tools=TOOLS, max_tokens=8,
+                           messages=[{"role": "user", "content": "Hi"}])
+        finally:
+            await client.close()
+        async with aiohttp.ClientSession() as session, session.get(
+                srv.base + "/metrics") as response:
+            text = await response.text()
+    assert 'ling3_constrained_completions_total{kind="named"} 1.0' in text
+    assert 'kind="required"' not in text

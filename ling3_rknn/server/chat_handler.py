@@ -102,7 +102,7 @@ async def _whole(request: web.Request, completion: Completion, model: str) -> we
         else:
             done = event
     assert done is not None
-    _log_completion(request, metrics, False, done, started)
+    _log_completion(request, metrics, False, done, started, completion.constrained)
     body = message.body(
         new_completion_id(),
         model,
@@ -194,19 +194,24 @@ async def _stream_events(
             if chunks.include_usage:
                 await writer.send(chunks.usage(event.usage))
             await writer.write(DONE)
-            _log_completion(request, metrics, True, event, started)
+            _log_completion(request, metrics, True, event, started, completion.constrained)
 
 
 def _log_completion(
-    request: web.Request, metrics: ServerMetrics, stream: bool, done: Finished, started: float
+    request: web.Request, metrics: ServerMetrics, stream: bool, done: Finished, started: float,
+    constrained: str | None = None,
 ) -> None:
     metrics.completions.labels(str(stream).lower(), done.finish_reason).inc()
+    if constrained is not None:
+        metrics.constrained.labels(constrained).inc()
     usage = done.usage
     log.info(
-        "%s completion stream=%s finish=%s prompt=%d cached=%d completion=%d %.0fms",
+        "%s completion stream=%s finish=%s constrained=%s prompt=%d cached=%d completion=%d "
+        "%.0fms",
         request[RID],
         stream,
         done.finish_reason,
+        constrained or "no",
         usage.prompt_tokens,
         usage.cached_tokens,
         usage.completion_tokens,

@@ -169,6 +169,22 @@ class Completion:
         self._calls = 0
         self.finished: Finished | None = None
 
+    @property
+    def constrained(self) -> str | None:
+        """What a grammar enforces on this answer (for the log and /metrics), else None."""
+        if self._generation_request.grammar is None:
+            return None
+        r = self.request
+        if r.forced_tool is not None:
+            return "named"
+        if r.allowed_tools is not None:
+            return "allowed_tools"
+        if r.tool_choice == "required":
+            return "required"
+        if r.response_schema is not None:
+            return "response_format"
+        return "tools"  # auto with parallel_tool_calls false or a strict tool
+
     async def start(self) -> None:
         """Admission: returns once the engine accepted the request (``Admitted``); every
         refusal that needs no generation is raised here as an ``ApiError``, however long

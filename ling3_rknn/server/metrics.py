@@ -105,6 +105,13 @@ class ServerMetrics:
             ["stream", "finish_reason"],
             registry=self.registry,
         )
+        self.constrained = Counter(
+            f"{PREFIX}_constrained_completions",
+            "Chat completions served under a grammar (docs/serving.md 9), by what it "
+            "enforced: named, required, allowed_tools, response_format or tools.",
+            ["kind"],
+            registry=self.registry,
+        )
         self.disconnects = Counter(
             f"{PREFIX}_client_disconnects",
             "Generations cancelled because the client went away.",
