@@ -80,9 +80,8 @@ class GrammarCompiler:
             return
         try:
             self._ll_tokenizer()
-        except Exception as exc:  # the Rust side raises plain exceptions
-            log.warning("constrained decoding unavailable: llguidance cannot read the "
-                        "tokenizer: %s", exc)
+        except InvalidRequest as exc:  # the message says what llguidance could not read
+            log.warning("%s", exc)
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
