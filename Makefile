@@ -11,13 +11,24 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The compiled decode kernels (ling3_rknn/model/native.py), built for this machine like
+# llama.cpp's native default. Without a C compiler the runtime keeps its numpy path, so a
+# failed build warns and goes on; the library is written whole or not at all.
+NATIVE := ling3_rknn/model/_native.so
+NATIVE_SOURCES := ling3_rknn/model/mla_decode.c ling3_rknn/model/kda_decode.c
+CC ?= cc
+NATIVE_CFLAGS ?= -O3 -march=native -ffp-contract=fast -fPIC -shared
+$(NATIVE): $(NATIVE_SOURCES) ling3_rknn/model/native_vec.h
+	@if $(CC) $(NATIVE_CFLAGS) -o $@.tmp $(NATIVE_SOURCES) -lm; then mv -f $@.tmp $@; \
+	else rm -f $@.tmp; echo "warning: $(CC) could not build $@; decode glue stays on numpy"; fi
+
+venv: $(STAMP) $(NATIVE)
 
 # With no model flag `serve` runs the embedded demo bundle (ling3_rknn/demo/bundle).
-serve: $(STAMP)
+serve: $(STAMP) $(NATIVE)
 	$(VENV)/bin/ling3-rknn serve $(ARGS)
 
-lint: $(STAMP)
+lint: $(STAMP) $(NATIVE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 

@@ -14,6 +14,8 @@ from concurrent.futures import Executor
 
 import numpy as np
 
+from . import native
+
 CHUNK = 64
 _MIN_CHUNKED_TOKENS = 16
 
@@ -306,6 +308,35 @@ def _decayed_products(qc: np.ndarray, kc: np.ndarray, g: np.ndarray
             kk[:, s1:, s0:s1] = (kc[:, s1:] * later) @ keys
             qk[:, s1:, s0:s1] = (qc[:, s1:] * later) @ keys
     return kk, qk
+
+
+def kda_decode(qkv: np.ndarray, tail: np.ndarray, taps: np.ndarray, log_decay: np.ndarray,
+               beta: np.ndarray, state: RecurrentState, pool: Executor | None = None,
+               parts: int = 1) -> np.ndarray | None:
+    """One decode token of a KDA layer through the compiled kernel: ``short_conv`` (the
+    ``tail`` updated in place), ``prepare_qkv`` and ``kda_recurrent`` in one call per share
+    of the heads. Returns [1, H, d_v], or None (nothing touched) when the kernel is not
+    available; the numpy functions are the reference it is tested against."""
+    call = native.kda_decode_call(
+        qkv[0], tail, taps, log_decay[0], beta[0], state.body, state.scale, state._keys,
+        state._deltas, state._pending, RecurrentState.FOLD_BELOW,
+        RecurrentState.FOLD_ROWS_BELOW)
+    if call is None:
+        return None
+    heads = call.heads
+    if pool is None or parts < 2 or heads < 2:
+        call.run(0, heads)
+    else:
+        bounds = np.linspace(0, heads, min(parts, heads) + 1).astype(int).tolist()
+        futures = [pool.submit(call.run, a, b) for a, b in itertools.pairwise(bounds[1:])]
+        call.run(bounds[0], bounds[1])
+        for f in futures:
+            f.result()
+    state._unit = False
+    state._pending += 1
+    if state._pending == state.PENDING:
+        state.flush()
+    return call.out[None]
 
 
 def kda_core(

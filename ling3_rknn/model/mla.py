@@ -15,6 +15,8 @@ from concurrent.futures import Executor
 
 import numpy as np
 
+from . import native
+
 _QUERY_CHUNK = 64  # bounds the [T*H, context] score matrix of a long prefill piece
 _GROUP_ROWS = 512  # cache rows scored together: 2 blocks, ~1.2 MB of cache, about one L2
 
@@ -155,6 +157,10 @@ def _attend(
     n_cols = q.shape[0]
     q_t = np.ascontiguousarray(q.T)
     last_pos = int(q_pos[-1])
+    if last_pos == int(q_pos[0]):  # one token (decode): no mask, the compiled kernel's case
+        compiled = native.mla_attend(q_t, blocks, key0, visible, r)
+        if compiled is not None:
+            return compiled
     ctx = np.zeros((r, n_cols), dtype=np.float32)
     part = np.empty_like(ctx)
     denom = np.zeros(n_cols, dtype=np.float32)

@@ -16,12 +16,16 @@ from .backend import NumpyStages, StageBackend
 from .bundle_loader import ExecutorChoice, load_bundle_parts, runtime_for
 from .checkpoint import Checkpoint
 from .cpu_weights import CpuWeights
-from .kda import kda_core, prepare_qkv, short_conv
+from .kda import kda_core, kda_decode, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
 from .moe import ExpertBackend, NumpyExperts, route
 from .stages import LayerOutput
 from .state import SequenceState, StateError, StateLayout
 from .weights import CheckpointWeights
+
+# Whether a decode token's KDA heads are shared out over the glue threads (measured in
+# docs/performance.md).
+KDA_DECODE_SPLIT = False
 
 
 class Model:
@@ -143,6 +147,12 @@ class Model:
     def _kda_layer(self, i: int, x: np.ndarray, state: SequenceState) -> LayerOutput:
         c = self.config
         inp = self.stages.kda_input(i, x)
+        if len(x) == 1:
+            core = kda_decode(inp.qkv, state.conv[i], self.cpu.conv[i], inp.log_decay,
+                              inp.beta, state.recurrent[i], pool=self._decode_pool(),
+                              parts=self.threads)
+            if core is not None:
+                return self.stages.kda_output(i, x, core, inp.out_gate)
         conv_out, state.conv[i] = short_conv(inp.qkv, state.conv[i], self.cpu.conv[i])
         q, k, v = prepare_qkv(conv_out, c.num_attention_heads, c.kda_head_dim)
         core = kda_core(q, k, v, inp.log_decay, inp.beta, state.recurrent[i],
@@ -161,6 +171,10 @@ class Model:
         ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length, self._scale,
                             pool=self._split_pool(), parts=self.threads)
         return self.stages.mla_output(i, x, ctx, inp.gate)
+
+    def _decode_pool(self) -> ThreadPoolExecutor | None:
+        """Threads for a decode token's KDA heads (``KDA_DECODE_SPLIT``)."""
+        return self._split_pool() if KDA_DECODE_SPLIT else None
 
     def _split_pool(self) -> ThreadPoolExecutor | None:
         """Threads for the glue's large calls: prefill KDA heads, long MLA attention."""

@@ -10,12 +10,15 @@ experts hit vary as in a real decode.
 
     .venv/bin/python tests/bench/bench_cpu_half.py [--threads 1,2] [--contexts 512,4096]
                                                     [--tokens 40] [--rounds 2]
+                                                    [--mla compiled,numpy]
 
 Prints per thread count and context the median ms per token of the whole CPU half and its
 parts: routed experts (QMoE), stage stubs (their Python call cost), and the rest (glue:
 KDA conv + recurrence, MLA attention, routing, residual adds, orchestration). Thread
 counts are interleaved over ``--rounds`` so machine load hits each alike; the thread
-policy (``ling3_rknn.cpu_threads``) is applied exactly as ``serve`` applies it.
+policy (``ling3_rknn.cpu_threads``) is applied exactly as ``serve`` applies it. ``--mla``
+interleaves the compiled MLA decode kernel (``ling3_rknn/model/native.py``, when built)
+with the numpy path it replaces.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from convert.qmoe_graph import build_qmoe_model
 from ling3_rknn import cpu_threads
 from ling3_rknn.config import ModelConfig
-from ling3_rknn.model import Model
+from ling3_rknn.model import Model, native
 from ling3_rknn.model.model import CpuWeights
 from ling3_rknn.model.stages import KdaInputs, LayerOutput, MlaInputs
 from ling3_rknn.npu import PackedExperts, QMoeExperts
@@ -207,33 +210,41 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--tokens", type=int, default=40, help="decode steps per measurement")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--mla", default="compiled",
+                    help="MLA decode attention: compiled, numpy, or both (compiled,numpy)")
     args = ap.parse_args()
+    paths = args.mla.split(",")
+    if "compiled" in paths and not native.available():
+        sys.exit(f"the compiled MLA kernel is not built ({native.LIBRARY}); run make venv")
     cfg = real_config()
     rng = np.random.default_rng(0)
     print("building two random int4 QMoE layers at real size ...", flush=True)
     qmoe = qmoe_models(cfg, rng, 2)
     threads = [int(t) for t in args.threads.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    results: dict[tuple[int, int], list[dict[str, float]]] = {}
+    results: dict[tuple[int, int, str], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for context in contexts:
             for n in threads:
                 model, stages, experts, state = build_model(cfg, qmoe, n, context, rng)
-                results.setdefault((n, context), []).append(
-                    measure(model, stages, experts, state, args.tokens))
+                for path in paths:
+                    native.set_enabled(path == "compiled")
+                    results.setdefault((n, context, path), []).append(
+                        measure(model, stages, experts, state, args.tokens))
     print(f"\nCPU half of a decode step, ms per token (median of {args.tokens} steps, best "
           f"of {args.rounds} rounds)")
-    print(f"{'threads':>7} {'context':>7} {'total':>7} {'experts':>8} {'glue':>6} {'stubs':>6}")
-    for (n, context), runs in sorted(results.items()):
+    print(f"{'threads':>7} {'context':>7} {'mla':>8} {'total':>7} {'experts':>8} {'glue':>6} "
+          f"{'stubs':>6}")
+    for (n, context, path), runs in sorted(results.items()):
         best = min(runs, key=lambda r: r["total"])
-        print(f"{n:>7} {context:>7} {best['total']:>7.1f} {best['experts']:>8.1f} "
+        print(f"{n:>7} {context:>7} {path:>8} {best['total']:>7.1f} {best['experts']:>8.1f} "
               f"{best['glue']:>6.1f} {best['stubs']:>6.2f}")
     print("\nmemory floors (the bytes alone at the measured streaming-read bandwidth)")
     print(f"{'threads':>7} {'context':>7} {'GB/s':>6} {'experts':>8} {'glue':>6}   "
-          "measured/floor experts, glue")
+          f"measured/floor experts, glue ({paths[0]} MLA)")
     for n in threads:
         for context, f in floors(cfg, n, contexts).items():
-            best = min(results[(n, context)], key=lambda r: r["total"])
+            best = min(results[(n, context, paths[0])], key=lambda r: r["total"])
             print(f"{n:>7} {context:>7} {f['bandwidth_gb_s']:>6.1f} {f['experts']:>8.1f} "
                   f"{f['glue']:>6.1f}   {best['experts'] / f['experts']:.2f}x, "
                   f"{best['glue'] / f['glue']:.2f}x")

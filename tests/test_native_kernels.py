@@ -1,0 +1,251 @@
+"""The compiled decode kernels (ling3_rknn/model/mla_decode.c, kda_decode.c) against the
+numpy paths they replace.
+
+The numpy paths are the reference: ``mla._attend`` for the MLA attention, ``short_conv`` +
+``prepare_qkv`` + ``kda_recurrent`` for a KDA decode token. The kernels must agree with
+them to 1e-5 (relative to the largest output) at Ling-3.0-tiny's dimensions (the
+vectorised paths) and at other sizes (the generic paths), over every case a decode meets:
+caches of any length and split, the KDA queue filling and flushing, rows folded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from ling3_rknn.model import mla, native
+from ling3_rknn.model.kda import (
+    RecurrentState,
+    kda_decode,
+    kda_recurrent,
+    prepare_qkv,
+    short_conv,
+)
+
+TOL = 1e-5
+
+
+def _numpy_attention(*args, **kwargs) -> np.ndarray:
+    native.set_enabled(False)
+    try:
+        return mla.mla_attention(*args, **kwargs)
+    finally:
+        native.set_enabled(True)
+
+
+def _cache(rng: np.random.Generator, lengths: list[int], width: int) -> list[np.ndarray]:
+    return [rng.standard_normal((n, width)).astype(np.float32) for n in lengths]
+
+
+def _query(rng: np.random.Generator, heads: int, r: int, rope: int, spread: float = 1.0):
+    return ((spread * rng.standard_normal((1, heads, r))).astype(np.float32),
+            (spread * rng.standard_normal((1, heads, rope))).astype(np.float32))
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+needs_kernel = pytest.mark.skipif(not native.available(),
+                                  reason="the MLA decode kernel is not built here")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_kernel_is_built_and_loads_where_a_compiler_exists():
+    assert native.LIBRARY.exists(), "make builds it (the lint/serve/venv targets)"
+    assert native.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("lengths", [[1], [7], [63], [64], [65], [256, 256, 100],
+                                     [256] * 4 + [1], [256, 3]])
+def test_real_dimensions_match_numpy(lengths):
+    rng = np.random.default_rng(len(lengths) * 1000 + lengths[-1])
+    heads, r, rope = 16, 512, 64
+    blocks = _cache(rng, lengths, r + rope)
+    q_latent, q_rope = _query(rng, heads, r, rope)
+    length = sum(lengths)
+    want = _numpy_attention(q_latent, q_rope, blocks, length, 0.07)
+    got = mla.mla_attention(q_latent, q_rope, blocks, length, 0.07)
+    assert got.shape == (1, heads, r)
+    assert _close(got, want) < TOL
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,r,rope", [(1, 8, 4), (2, 32, 16), (5, 24, 8), (32, 64, 16)])
+def test_other_head_counts_match_numpy(heads, r, rope):
+    rng = np.random.default_rng(heads)
+    blocks = _cache(rng, [256, 256, 77], r + rope)
+    q_latent, q_rope = _query(rng, heads, r, rope)
+    want = _numpy_attention(q_latent, q_rope, blocks, 589, 0.2)
+    assert _close(mla.mla_attention(q_latent, q_rope, blocks, 589, 0.2), want) < TOL
+
+
+@needs_kernel
+def test_rising_scores_rescale_the_running_state():
+    """Each later group holds a larger score, so the running max moves every group and the
+    context gathered so far is rescaled each time; peaked softmax, no overflow."""
+    rng = np.random.default_rng(3)
+    heads, r, rope = 16, 512, 64
+    blocks = _cache(rng, [256, 256, 256, 256], r + rope)
+    ramp = np.linspace(0.0, 6.0, 1024, dtype=np.float32)
+    for i, block in enumerate(blocks):
+        block *= (1.0 + ramp[256 * i : 256 * (i + 1)])[:, None]
+    q_latent, q_rope = _query(rng, heads, r, rope, spread=0.5)
+    exact = _float64_attention(q_latent, q_rope, blocks, 0.3)
+    numpy_error = _close(_numpy_attention(q_latent, q_rope, blocks, 1024, 0.3), exact)
+    got = mla.mla_attention(q_latent, q_rope, blocks, 1024, 0.3)
+    assert np.isfinite(got).all()
+    # scores reach ~100 here, where float32 rounding alone moves a weight by ~1e-5: both
+    # paths are held to the float64 result, the kernel no worse than numpy's own rounding
+    assert _close(got, exact) < max(TOL, 2 * numpy_error)
+
+
+def _float64_attention(q_latent, q_rope, blocks, scale) -> np.ndarray:
+    rows = np.concatenate(blocks).astype(np.float64)
+    q = np.concatenate([q_latent[0], q_rope[0]], axis=1).astype(np.float64) * scale
+    scores = q @ rows.T
+    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    return (weights @ rows[:, : q_latent.shape[2]])[None]
+
+
+@needs_kernel
+def test_split_ranges_merge_like_numpy():
+    """Two threads each score a range of whole blocks (split-K) and the partial states merge."""
+    rng = np.random.default_rng(4)
+    heads, r, rope = 16, 512, 64
+    blocks = _cache(rng, [256] * 12 + [40], r + rope)
+    length = 256 * 12 + 40
+    q_latent, q_rope = _query(rng, heads, r, rope)
+    want = _numpy_attention(q_latent, q_rope, blocks, length, 0.07)
+    with ThreadPoolExecutor(2) as pool:
+        got = mla.mla_attention(q_latent, q_rope, blocks, length, 0.07, pool=pool, parts=3)
+    assert _close(got, want) < TOL
+
+
+@needs_kernel
+def test_only_the_visible_rows_are_read():
+    rng = np.random.default_rng(5)
+    q_t = rng.standard_normal((40, 2)).astype(np.float32)
+    blocks = _cache(rng, [16, 16], 40)
+    full = native.mla_attend(q_t, blocks, 0, 20, 32)
+    blocks[1][4:] = np.nan  # rows past ``visible`` must not reach the result
+    again = native.mla_attend(q_t, blocks, 0, 20, 32)
+    assert full is not None and again is not None
+    for a, b in zip(full, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_kernel
+def test_blocks_it_cannot_read_fall_back_to_numpy():
+    rng = np.random.default_rng(6)
+    q_t = rng.standard_normal((40, 2)).astype(np.float32)
+    wide = rng.standard_normal((16, 80)).astype(np.float32)
+    assert native.mla_attend(q_t, [wide[:, :40]], 0, 16, 32) is None  # strided rows
+    assert native.mla_attend(q_t, [wide[:, :40].astype(np.float64)], 0, 16, 32) is None
+    assert native.mla_attend(q_t, [], 0, 0, 32) is None
+    native.set_enabled(False)
+    try:
+        assert not native.available()
+        assert native.mla_attend(q_t, [np.ascontiguousarray(wide[:, :40])], 0, 16, 32) is None
+    finally:
+        native.set_enabled(True)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("LING3_RKNN_NATIVE", "0")
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_library", None)
+    assert not native.available()
+
+
+def test_a_library_that_does_not_load_is_reported_and_skipped(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "_native.so"
+    broken.write_bytes(b"not a shared library")
+    monkeypatch.setattr(native, "LIBRARY", broken)
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.delenv("LING3_RKNN_NATIVE", raising=False)
+    assert not native.available()
+    assert "not usable" in caplog.text
+
+
+def _kda_inputs(rng: np.random.Generator, heads: int, d: int, decay: float):
+    qkv = rng.standard_normal((1, 3 * heads * d)).astype(np.float32)
+    log_decay = (-decay / (1.0 + np.exp(-rng.standard_normal((1, heads, d))))).astype(
+        np.float32)
+    beta = rng.random((1, heads)).astype(np.float32)
+    return qkv, log_decay, beta
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,d,taps_k,parts", [(16, 128, 4, 1), (16, 128, 4, 2),
+                                                  (2, 16, 4, 1), (3, 24, 3, 2), (1, 8, 2, 1)])
+def test_kda_decode_tokens_match_numpy(heads, d, taps_k, parts):
+    """40 tokens from a random state: the queue fills and flushes twice; from token 20 the
+    decay is strong enough that rows fold. Outputs, conv tails and states agree."""
+    rng = np.random.default_rng(heads * 100 + d)
+    body = (0.05 * rng.standard_normal((heads, d, d))).astype(np.float32)
+    reference, compiled = RecurrentState(body.copy()), RecurrentState(body.copy())
+    tail = rng.standard_normal((taps_k - 1, 3 * heads * d)).astype(np.float32)
+    compiled_tail = tail.copy()
+    taps = (0.5 * rng.standard_normal((taps_k, 3 * heads * d))).astype(np.float32)
+    folds = 0
+    with ThreadPoolExecutor(parts) as pool:
+        for step in range(40):
+            qkv, log_decay, beta = _kda_inputs(rng, heads, d, 5.0 if step < 20 else 60.0)
+            conv_out, tail = short_conv(qkv, tail, taps)
+            q, k, v = prepare_qkv(conv_out, heads, d)
+            scale_before = reference.scale.copy()
+            want = kda_recurrent(q, k, v, log_decay, beta, reference)
+            folds += int((scale_before * np.exp(log_decay[0]) < RecurrentState.FOLD_BELOW).any())
+            got = kda_decode(qkv, compiled_tail, taps, log_decay, beta, compiled,
+                             pool=pool if parts > 1 else None, parts=parts)
+            assert got is not None and got.shape == want.shape
+            assert _close(got, want) < TOL, step
+            np.testing.assert_array_equal(compiled_tail, tail)
+            assert compiled._pending == reference._pending
+    assert folds > 0
+    assert _close(compiled.value(), reference.value()) < TOL
+
+
+@needs_kernel
+def test_kda_decode_leaves_what_it_cannot_take_to_numpy():
+    rng = np.random.default_rng(7)
+    heads, d = 2, 16
+    state = RecurrentState(np.zeros((heads, d, d), np.float32))
+    qkv, log_decay, beta = _kda_inputs(rng, heads, d, 5.0)
+    taps = rng.standard_normal((4, 3 * heads * d)).astype(np.float32)
+    tail64 = np.zeros((3, 3 * heads * d))  # float64: not the kernel's layout
+    assert kda_decode(qkv, tail64, taps, log_decay, beta, state) is None
+    assert state._pending == 0 and not tail64.any()
+    native.set_enabled(False)
+    try:
+        tail = np.zeros((3, 3 * heads * d), np.float32)
+        assert kda_decode(qkv, tail, taps, log_decay, beta, state) is None
+        assert not tail.any()
+    finally:
+        native.set_enabled(True)
+
+
+def test_a_library_from_other_sources_is_refused(monkeypatch, tmp_path, caplog):
+    class Stale:
+        mla_decode_attend = kda_decode_heads = object()
+
+        @staticmethod
+        def ling3_native_abi() -> int:
+            return native.ABI + 1
+
+    library = tmp_path / "_native.so"
+    library.write_bytes(b"")
+    monkeypatch.setattr(native, "LIBRARY", library)
+    monkeypatch.setattr(native.ctypes, "CDLL", lambda path: Stale())
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.delenv("LING3_RKNN_NATIVE", raising=False)
+    assert not native.available()
+    assert "other sources" in caplog.text
