@@ -11,24 +11,13 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The compiled decode kernels (ling3_rknn/model/native.py), built for this machine like
-# llama.cpp's native default. Without a C compiler the runtime keeps its numpy path, so a
-# failed build warns and goes on; the library is written whole or not at all.
-NATIVE := ling3_rknn/model/_native.so
-NATIVE_SOURCES := ling3_rknn/model/mla_decode.c ling3_rknn/model/kda_decode.c
-CC ?= cc
-NATIVE_CFLAGS ?= -O3 -march=native -ffp-contract=fast -fPIC -shared
-$(NATIVE): $(NATIVE_SOURCES) ling3_rknn/model/native_vec.h
-	@if $(CC) $(NATIVE_CFLAGS) -o $@.tmp $(NATIVE_SOURCES) -lm; then mv -f $@.tmp $@; \
-	else rm -f $@.tmp; echo "warning: $(CC) could not build $@; decode glue stays on numpy"; fi
-
-venv: $(STAMP) $(NATIVE)
+venv: $(STAMP)
 
 # With no model flag `serve` runs the embedded demo bundle (ling3_rknn/demo/bundle).
-serve: $(STAMP) $(NATIVE)
+serve: $(STAMP)
 	$(VENV)/bin/ling3-rknn serve $(ARGS)
 
-lint: $(STAMP) $(NATIVE)
+lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
@@ -98,12 +87,14 @@ demo-eval: $(STAMP)
 
 # Debian packages that tests run, installed where missing (needs root or sudo; without apt
 # the tests that need them are skipped with a reason): systemd-analyze (package systemd)
-# for tests/test_systemd_unit.py, haproxy for tests/test_deploy_haproxy.py.
+# for tests/test_systemd_unit.py, haproxy for tests/test_deploy_haproxy.py, a C compiler for
+# the decode kernels the runtime builds (tests/test_native_kernels.py).
 # Debian puts haproxy in /usr/sbin, which a non-root PATH may lack.
 system-tools:
 	@missing=""; \
 	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
 	command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || missing="$$missing haproxy"; \
+	command -v cc >/dev/null || missing="$$missing gcc libc6-dev"; \
 	[ -z "$$missing" ] || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		command -v apt-get >/dev/null && $$SUDO apt-get update -qq && \

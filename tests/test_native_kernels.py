@@ -10,7 +10,6 @@ caches of any length and split, the KDA queue filling and flushing, rows folded.
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -53,10 +52,10 @@ needs_kernel = pytest.mark.skipif(not native.available(),
                                   reason="the MLA decode kernel is not built here")
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
-def test_kernel_is_built_and_loads_where_a_compiler_exists():
-    assert native.LIBRARY.exists(), "make builds it (the lint/serve/venv targets)"
-    assert native.available()
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+def test_kernels_are_built_and_load_where_a_compiler_exists():
+    assert native.available(), native.status()
+    assert native.status().startswith("compiled (")
 
 
 @needs_kernel
@@ -156,24 +155,6 @@ def test_blocks_it_cannot_read_fall_back_to_numpy():
         native.set_enabled(True)
 
 
-def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("LING3_RKNN_NATIVE", "0")
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_library", None)
-    assert not native.available()
-
-
-def test_a_library_that_does_not_load_is_reported_and_skipped(monkeypatch, tmp_path, caplog):
-    broken = tmp_path / "_native.so"
-    broken.write_bytes(b"not a shared library")
-    monkeypatch.setattr(native, "LIBRARY", broken)
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.delenv("LING3_RKNN_NATIVE", raising=False)
-    assert not native.available()
-    assert "not usable" in caplog.text
-
-
 def _kda_inputs(rng: np.random.Generator, heads: int, d: int, decay: float):
     qkv = rng.standard_normal((1, 3 * heads * d)).astype(np.float32)
     log_decay = (-decay / (1.0 + np.exp(-rng.standard_normal((1, heads, d))))).astype(
@@ -232,7 +213,66 @@ def test_kda_decode_leaves_what_it_cannot_take_to_numpy():
         native.set_enabled(True)
 
 
-def test_a_library_from_other_sources_is_refused(monkeypatch, tmp_path, caplog):
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """native's loader as at process start, building into an empty state directory."""
+    monkeypatch.setenv("LING3_RKNN_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.delenv("LING3_RKNN_NATIVE", raising=False)
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_status", "not loaded yet")
+    return tmp_path
+
+
+def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
+    monkeypatch.setenv("LING3_RKNN_NATIVE", "0")
+    assert not native.available()
+    assert "LING3_RKNN_NATIVE=0" in native.status()
+    assert not (fresh_loader / "native").exists()
+
+
+def test_without_a_compiler_the_glue_stays_on_numpy(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert not native.available()
+    assert "no C compiler" in native.status() and "no C compiler" in caplog.text
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+def test_built_once_per_machine_then_loaded(fresh_loader, monkeypatch):
+    assert native.available()
+    built = list((fresh_loader / "native").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_status", "not loaded yet")
+    monkeypatch.setattr(native, "build", lambda cc, target: pytest.fail("built twice"))
+    assert native.available()
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_a_failing_compiler_is_reported_and_leaves_nothing(fresh_loader, monkeypatch,
+                                                           tmp_path_factory):
+    fake = tmp_path_factory.mktemp("bin") / "cc"
+    fake.write_text("#!/bin/sh\necho 'mla_decode.c:1: error: no' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    assert not native.available()
+    assert "error: no" in native.status()
+    assert not any((fresh_loader / "native").iterdir())
+
+
+def test_a_library_that_does_not_load_is_reported(fresh_loader, monkeypatch, caplog):
+    target = native.library_path("cc")
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"not a shared library")
+    monkeypatch.setattr(native, "compiler", lambda: "cc")
+    assert not native.available()
+    assert "not usable" in native.status() and "not usable" in caplog.text
+
+
+def test_a_library_from_other_sources_is_refused(fresh_loader, monkeypatch):
     class Stale:
         mla_decode_attend = kda_decode_heads = object()
 
@@ -240,12 +280,23 @@ def test_a_library_from_other_sources_is_refused(monkeypatch, tmp_path, caplog):
         def ling3_native_abi() -> int:
             return native.ABI + 1
 
-    library = tmp_path / "_native.so"
-    library.write_bytes(b"")
-    monkeypatch.setattr(native, "LIBRARY", library)
+    target = native.library_path("cc")
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"")
+    monkeypatch.setattr(native, "compiler", lambda: "cc")
     monkeypatch.setattr(native.ctypes, "CDLL", lambda path: Stale())
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.delenv("LING3_RKNN_NATIVE", raising=False)
     assert not native.available()
-    assert "other sources" in caplog.text
+    assert "other sources" in native.status()
+
+
+def test_the_library_name_follows_the_sources(monkeypatch, tmp_path):
+    """An upgrade (changed sources) or another compiler gets its own library."""
+    first = native.library_path("cc")
+    assert native.library_path("clang") != first
+    for name in (*native.SOURCES, *native.HEADERS):
+        (tmp_path / name).write_bytes((native.SOURCE_DIR / name).read_bytes())
+    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path)
+    assert native.library_path("cc") == first
+    with (tmp_path / native.HEADERS[0]).open("a") as f:
+        f.write("\n")
+    assert native.library_path("cc") != first

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..paths import state_directory
 from .errors import (
     BundleNotFoundError,
     FileCorruptError,
@@ -157,11 +158,8 @@ class Bundle:
     def _stamp_paths(self) -> list[Path]:
         """Where a stamp may live: beside the manifest, then a state directory named for
         this bundle's real path (one stamp per bundle, however many are installed)."""
-        state = (os.environ.get("STATE_DIRECTORY", "").split(":")[0]  # systemd
-                 or os.environ.get("LING3_RKNN_STATE_DIR")
-                 or os.path.join(os.path.expanduser("~"), ".cache", "ling3-rknn"))
         name = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:16]
-        return [self.root / STAMP, Path(state) / f"verified-{name}.json"]
+        return [self.root / STAMP, state_directory() / f"verified-{name}.json"]
 
     def _read_stamp(self) -> dict[str, list[int]]:
         """Files an earlier full check verified, keyed by their stat; empty when no stamp

@@ -76,6 +76,7 @@ def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot) -> Report:
         add(_guarded("thermal", lambda: board.thermals(sys_root)))
     add(_guarded("rknn-toolkit-lite2", lambda: host.rknnlite(on_board)))
     add(_guarded("Python packages", host.runtime_packages))
+    add(_guarded("decode kernels", host.decode_kernels))
     add(bundle_checks)
     need = graphs.bundle_bytes(bundle) if bundle is not None else None
     add(_guarded("memory", lambda: host.memory(sys_root, need)))

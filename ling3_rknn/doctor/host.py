@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from importlib import metadata
 
 from ling3_rknn.doctor.report import Check
 from ling3_rknn.doctor.sysfs import SysRoot
+from ling3_rknn.model import native
 
 MEMINFO = "proc/meminfo"
 
@@ -41,6 +43,18 @@ def runtime_packages() -> Check:
         return Check("Python packages", "fail", f"{detail}; missing {', '.join(missing)}",
                      fix="pip install 'ling3-rknn[board]'", data={"versions": versions})
     return Check("Python packages", "ok", detail, data={"versions": versions})
+
+
+def decode_kernels() -> Check:
+    """The decode glue's compiled kernels, built on the machine at the first load: without
+    a C compiler the glue runs its numpy path, which is correct but slower."""
+    detail = native.status()
+    if native.available():
+        return Check("decode kernels", "ok", detail)
+    if os.environ.get("LING3_RKNN_NATIVE") == "0":
+        return Check("decode kernels", "skip", detail)
+    return Check("decode kernels", "warn", detail,
+                 fix="sudo apt install gcc  # the next start builds them (about a second)")
 
 
 def meminfo(sys: SysRoot) -> dict[str, int]:

@@ -12,6 +12,7 @@ import numpy as np
 from ..bundle import Bundle, VerifyMode
 from ..config import ModelConfig
 from ..cpu_threads import apply_thread_policy
+from . import native
 from .backend import NumpyStages, StageBackend
 from .bundle_loader import ExecutorChoice, load_bundle_parts, runtime_for
 from .checkpoint import Checkpoint
@@ -51,6 +52,7 @@ class Model:
         self._scale = float(config.qk_head_dim) ** -0.5
         self._layout = StateLayout.from_config(config)
         self._pool: ThreadPoolExecutor | None = None  # glue split (_split_pool), made on use
+        native.available()  # load (or build, once per machine) the decode kernels now
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike[str], *, threads: int | None = None) -> Model:

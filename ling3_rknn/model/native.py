@@ -1,52 +1,141 @@
-"""The compiled decode kernels (``mla_decode.c``, ``kda_decode.c``), loaded with ctypes.
+"""The compiled decode kernels (``mla_decode.c``, ``kda_decode.c``), built and loaded here.
 
-``make`` builds ``_native.so`` next to this file for the machine it runs on
-(``-march=native``, as llama.cpp builds by default). Without it, or with
-``LING3_RKNN_NATIVE=0`` in the environment, ``mla.py`` and ``kda.py`` stay on their numpy
-paths, which are also the reference the tests hold the kernels to. ctypes rather than a
-CPython extension: the kernels need no Python API, so no Python headers on the board, and
-ctypes releases the GIL during a call, which the glue's split threads rely on.
+The C sources ship with the package; the first model load on a machine compiles them with
+its C compiler for that machine (``-march=native``, as llama.cpp builds by default: the
+host's AVX-512 or AVX2, the RK3588's NEON with fp16 and dot products) into the state
+directory (``ling3_rknn.paths``; ``/var/lib/ling3-rknn`` under the systemd unit), named by a
+hash of the sources, the flags and the CPU, so a later start loads it in milliseconds and
+an upgrade or another CPU builds its own. Without a compiler, or with
+``LING3_RKNN_NATIVE=0``, ``mla.py`` and ``kda.py`` stay on their numpy paths, which are also
+the reference the tests hold the kernels to; ``ling3-rknn doctor`` says which is in use.
+
+ctypes rather than a CPython extension: the kernels need no Python API, so no Python
+headers on the board, and ctypes releases the GIL during a call, which the glue's split
+threads rely on.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..paths import state_directory
+
 log = logging.getLogger(__name__)
 
-LIBRARY = Path(__file__).with_name("_native.so")
+SOURCE_DIR = Path(__file__).parent
+SOURCES = ("mla_decode.c", "kda_decode.c")
+HEADERS = ("native_vec.h",)
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared")
+BUILD_TIMEOUT_S = 300
 ABI = 1  # LING3_NATIVE_ABI in native_vec.h: a library built from other sources is refused
 _MLA_SCRATCH_ROWS = 64 + 2  # mla_decode.c's scratch: a group's scores, maxes, factors
 
 _library: Any = None  # the ctypes library, once loaded
 _loaded = False
 _enabled = True
+_status = "not loaded yet"
+
+
+def compiler() -> str | None:
+    """The C compiler: ``$CC``, else ``cc``, if it is on PATH."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    keep = ("model name", "flags", "Features", "CPU part", "CPU implementer")
+    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keep}))
+
+
+def library_path(cc: str) -> Path:
+    """Where the library for these sources, this compiler and this CPU lives."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((SOURCE_DIR / name).read_bytes())
+    for part in (cc, *CFLAGS, platform.machine(), _cpu_identity()):
+        digest.update(part.encode() + b"\0")
+    return state_directory() / "native" / f"ling3-native-{digest.hexdigest()[:16]}.so"
+
+
+def build(cc: str, target: Path) -> None:
+    """Compile the kernels into ``target``, written whole or not at all (concurrent builds
+    each write their own temporary file). Raises OSError / CalledProcessError /
+    TimeoutExpired with the compiler's message."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, "-o", tmp, *(str(SOURCE_DIR / s) for s in SOURCES), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _find_or_build() -> Path | None:
+    global _status
+    cc = compiler()
+    if cc is None:
+        _status = "no C compiler (cc or $CC) on PATH: decode glue on numpy"
+        return None
+    target = library_path(cc)
+    if target.exists():
+        return target
+    started = time.monotonic()
+    try:
+        build(cc, target)
+    except subprocess.CalledProcessError as exc:
+        _status = f"{cc} failed: {exc.stderr.strip()[-500:]}"
+        return None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        _status = f"could not build into {target.parent}: {exc}"
+        return None
+    log.info("built the decode kernels for this machine in %.1f s: %s",
+             time.monotonic() - started, target)
+    return target
 
 
 def _load() -> Any:
-    global _library, _loaded
+    global _library, _loaded, _status
     if _loaded:
         return _library
     _loaded = True
-    if os.environ.get("LING3_RKNN_NATIVE", "1") == "0" or not LIBRARY.exists():
+    if os.environ.get("LING3_RKNN_NATIVE", "1") == "0":
+        _status = "switched off (LING3_RKNN_NATIVE=0): decode glue on numpy"
+        return None
+    path = _find_or_build()
+    if path is None:
+        log.warning("compiled decode kernels unavailable (%s); using numpy", _status)
         return None
     try:
-        lib = ctypes.CDLL(str(LIBRARY))
+        lib = ctypes.CDLL(str(path))
         mla, kda = lib.mla_decode_attend, lib.kda_decode_heads
         abi = lib.ling3_native_abi()
-    except (OSError, AttributeError) as exc:  # built for another machine, or stale
-        log.warning("compiled kernels %s not usable (%s); using numpy", LIBRARY.name, exc)
+    except (OSError, AttributeError) as exc:
+        _status = f"{path} not usable ({exc})"
+        log.warning("compiled decode kernels %s; using numpy", _status)
         return None
     if abi != ABI:
-        log.warning("compiled kernels %s are from other sources (ABI %d, want %d; run make); "
-                    "using numpy", LIBRARY.name, abi, ABI)
+        _status = f"{path} is from other sources (ABI {abi}, want {ABI})"
+        log.warning("compiled decode kernels: %s; using numpy", _status)
         return None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     mla.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, i64, ptr, ptr, ptr, ptr]
@@ -55,7 +144,14 @@ def _load() -> Any:
                     f32, ptr, i32, i32, ptr]
     kda.restype = i32
     _library = lib
+    _status = f"compiled ({path})"
     return lib
+
+
+def status() -> str:
+    """One line: the library in use, or why the decode glue runs on numpy."""
+    _load()
+    return _status
 
 
 def available() -> bool:
