@@ -78,16 +78,17 @@ def read_generation_config(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def engine_from_hf(hf_dir: Path, tokenizer_path: Path, options: dict[str, object]
-                   ) -> Engine:
-    """The numpy model on an HF checkpoint (no bundle, no NPU)."""
+def engine_from_hf(hf_dir: Path, tokenizer_path: Path, options: dict[str, object], *,
+                   latent_dtype: str = "float32") -> Engine:
+    """The numpy model on an HF checkpoint (no bundle, no NPU). ``latent_dtype``: the MLA
+    latent cache's dtype (``--latent-cache``)."""
     from ling3_rknn.model import Model
     from ling3_rknn.tokenizer import Tokenizer
 
     if not tokenizer_path.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
     return make_engine(
-        Model.from_hf(hf_dir),
+        Model.from_hf(hf_dir, latent_dtype=latent_dtype),
         Tokenizer.from_file(tokenizer_path),
         options,
         generation_config=read_generation_config(hf_dir / "generation_config.json"),
@@ -96,9 +97,10 @@ def engine_from_hf(hf_dir: Path, tokenizer_path: Path, options: dict[str, object
 
 def engine_from_bundle(bundle_dir: Path, options: dict[str, object], *,
                        default_model_id: str = DEFAULT_MODEL_ID,
-                       verify: str = "stamped") -> Engine:
+                       verify: str = "stamped", latent_dtype: str = "float32") -> Engine:
     """A converted bundle: RKNNLite on a board, the RKNNLite mock (ONNX twins) on a host.
-    ``verify`` is ``Bundle.verify``'s mode; ``size`` is the explicit opt-out of hashing."""
+    ``verify`` is ``Bundle.verify``'s mode; ``size`` is the explicit opt-out of hashing.
+    ``latent_dtype``: the MLA latent cache's dtype (``--latent-cache``)."""
     from ling3_rknn.bundle import Bundle
     from ling3_rknn.chat import TEMPLATE_SHA256
 
@@ -113,7 +115,8 @@ def engine_from_bundle(bundle_dir: Path, options: dict[str, object], *,
     # The manifest holds the sha256 of every file, so its own hash names the weights.
     identity = hashlib.sha256((bundle.root / "manifest.json").read_bytes()).hexdigest()
     return make_engine(
-        Model.from_bundle(bundle, verify="none"),  # opened and verified just above
+        # opened and verified just above
+        Model.from_bundle(bundle, verify="none", latent_dtype=latent_dtype),
         tokenizer,
         options,
         generation_config=bundle.manifest.generation_config,

@@ -192,11 +192,13 @@ def qmoe(weights):
     (lambda x, i, w: (x, np.repeat(i[:, :1], K, 1), w), "selected twice"),
     (lambda x, i, w: (x, i.astype(np.float32), w), "integers"),
 ])
-def test_bad_routing_inputs_are_typed_errors(qmoe, weights, mutate, match):
+@pytest.mark.parametrize("t", [2, 1])  # one token: the decode path's own checks
+def test_bad_routing_inputs_are_typed_errors(qmoe, weights, mutate, match, t):
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(2, D)).astype(np.float32)
-    ids, w = routing(rng, 2)
+    x = rng.normal(size=(t, D)).astype(np.float32)
+    ids, w = routing(rng, t)
     bad = mutate(x, ids, w)
+    match = match.replace("\\[2,", f"\\[{t},")
     with pytest.raises(ExpertError, match=match):
         qmoe.run(*bad)
     with pytest.raises(ExpertError, match=match):

@@ -110,7 +110,12 @@ def test_no_model_flag_serves_the_embedded_demo(monkeypatch):
         loaded.clear()
         args = cli.build_parser().parse_args([*argv, "--max-context", "4096"])
         assert cli.make_loader(args)() == "engine"
-        assert loaded == {"max_context": 4096}
+        assert loaded == {"max_context": 4096, "latent_dtype": "float32"}
+    args = cli.build_parser().parse_args(["serve", "--latent-cache", "float16"])
+    cli.make_loader(args)()
+    assert loaded["latent_dtype"] == "float16"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--latent-cache", "int8"])
 
 
 def test_max_context_beyond_the_model_is_refused():

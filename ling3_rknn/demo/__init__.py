@@ -25,8 +25,9 @@ def bundle_dir() -> Path:
     return Path(str(resources.files(__name__).joinpath("bundle")))
 
 
-def load_demo_engine(**options: Any) -> Any:
+def load_demo_engine(*, latent_dtype: str = "float32", **options: Any) -> Any:
     """An ``Engine`` serving the demo bundle; ``options`` go to the Engine constructor."""
     from ling3_rknn.loading import engine_from_bundle
 
-    return engine_from_bundle(bundle_dir(), options, default_model_id=DEMO_MODEL_ID)
+    return engine_from_bundle(bundle_dir(), options, default_model_id=DEMO_MODEL_ID,
+                              latent_dtype=latent_dtype)

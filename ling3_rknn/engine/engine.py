@@ -122,6 +122,9 @@ class Engine:
             snapshot_from_arrays = _model_snapshot_reader(model)
         if weights_identity is None:
             weights_identity = probe_identity(model)
+        latent = getattr(model, "latent_dtype", "float32")
+        if latent != "float32":  # its snapshots are another model's: a store of their own
+            weights_identity += f"; latent cache {latent}"
         store = SnapshotStore(cache_dir, model_fingerprint(model.config, weights_identity))
         return PrefixCache(
             cache_bytes,
@@ -317,8 +320,12 @@ def _eos_text(tokenizer: TokenizerLike) -> str:
 
 
 def _model_snapshot_reader(model: ModelLike) -> Callable[[Mapping[str, np.ndarray]], Any]:
-    """``StateSnapshot.from_arrays`` bound to the model's config (imported lazily so the
-    engine can be unit-tested with a scripted model double)."""
+    """The model's own snapshot reader (``Model.snapshot_from_arrays``: its config and
+    latent-cache dtype), else ``StateSnapshot.from_arrays`` for its config (imported lazily
+    so the engine can be unit-tested with a scripted model double)."""
+    reader = getattr(model, "snapshot_from_arrays", None)
+    if reader is not None:
+        return reader
     from ling3_rknn.model import StateSnapshot
 
     config = model.config

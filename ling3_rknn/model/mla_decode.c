@@ -150,17 +150,48 @@ static void softmax_group(float *restrict scores, int n, int heads, int r,
         }
 }
 
+/* Rows of a float16 cache as float32, so the products above serve both caches: the cache
+ * is read from memory at half the bytes, the arithmetic stays float32. The one place with
+ * intrinsics: gcc 12 does not vectorise _Float16 -> float on x86 without AVX512-FP16 (a
+ * scalar conversion per value made the float16 path 3.5x slower than float32), so x86
+ * uses F16C's vcvtph2ps directly; aarch64 (the RK3588) converts with the compiler's own
+ * _Float16, which it vectorises. Without either, a float16 cache is left to numpy (-2). */
+#if defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_FLOAT16 1
+static void widen_rows(const uint16_t *restrict src, int64_t count, float *restrict dst) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= count; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#endif
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < count; i++) dst[i] = _cvtsh_ss(src[i]);
+}
+#elif defined(__FLT16_MAX__) && !defined(__x86_64__)
+#define HAVE_FLOAT16 1
+static void widen_rows(const uint16_t *restrict src, int64_t count, float *restrict dst) {
+    const _Float16 *restrict h = (const _Float16 *)src;
+    for (int64_t i = 0; i < count; i++) dst[i] = (float)h[i];
+}
+#endif
+
 /*
  * Softmax attention state of one token's heads over the rows of n_blocks blocks
- * (block b holds lengths[b] rows of `stride` floats; a row is [c_kv (r) | k_rope]).
- * qT: [d][heads], the scaled query, d = r + rope width <= stride. Writes the
- * un-normalised context ctxT [r][heads], the softmax denominator and the running max
- * [heads]: the same triple as mla._attend, so partial states merge the same way.
- * scratch: (GROUP + 2) * heads floats. Returns 0, or -1 if there is no row at all.
+ * (block b holds lengths[b] rows of `stride` values, float32 or, with `half`, float16; a row
+ * is [c_kv (r) | k_rope]). qT: [d][heads], the scaled query, d = r + rope width <= stride.
+ * Writes the un-normalised context ctxT [r][heads], the softmax denominator and the running
+ * max [heads]: the same triple as mla._attend, so partial states merge the same way.
+ * scratch: (GROUP + 2) * heads floats, plus GROUP * stride with `half`.
+ * Returns 0; -1 if there is no row at all; -2 for a float16 cache this build cannot read.
  */
-int mla_decode_attend(const float *qT, int heads, int d, int r, const float *const *blocks,
-                      const int64_t *lengths, int n_blocks, int64_t stride, float *ctxT,
-                      float *denom, float *runmax, float *scratch) {
+int mla_decode_attend(const float *qT, int heads, int d, int r, const void *const *blocks,
+                      const int64_t *lengths, int n_blocks, int64_t stride, int half,
+                      float *ctxT, float *denom, float *runmax, float *scratch) {
+#ifndef HAVE_FLOAT16
+    if (half) return -2;
+#endif
     int64_t total = 0;
     for (int b = 0; b < n_blocks; b++) total += lengths[b];
     if (total <= 0) return -1;
@@ -170,10 +201,19 @@ int mla_decode_attend(const float *qT, int heads, int d, int r, const float *con
         runmax[h] = -INFINITY;
     }
     float *maxes = scratch + (int64_t)GROUP * heads, *factors = maxes + heads;
+#ifdef HAVE_FLOAT16
+    float *wide = factors + heads; /* GROUP rows as float32, for a float16 cache */
+#endif
     for (int b = 0; b < n_blocks; b++) {
         for (int64_t j0 = 0; j0 < lengths[b]; j0 += GROUP) {
             const int n = (int)(lengths[b] - j0 < GROUP ? lengths[b] - j0 : GROUP);
-            const float *rows = blocks[b] + j0 * stride;
+            const float *rows = (const float *)blocks[b] + j0 * stride;
+#ifdef HAVE_FLOAT16
+            if (half) {
+                widen_rows((const uint16_t *)blocks[b] + j0 * stride, n * stride, wide);
+                rows = wide;
+            }
+#endif
             if (heads == HEADS)
                 scores16(qT, d, rows, stride, n, scratch);
             else

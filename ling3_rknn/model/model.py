@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from .kda import kda_core, kda_decode, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
 from .moe import ExpertBackend, NumpyExperts, route
 from .stages import LayerOutput
-from .state import SequenceState, StateError, StateLayout
+from .state import LATENT_DTYPES, SequenceState, StateError, StateLayout, StateSnapshot
 from .weights import CheckpointWeights
 
 # Whether a decode token's KDA heads are shared out over the glue threads (measured in
@@ -42,6 +42,7 @@ class Model:
         *,
         threads: int = 1,
         bundle: Bundle | None = None,
+        latent_dtype: str = "float32",
     ) -> None:
         self.config = config
         self.bundle = bundle  # the bundle it was loaded from (``from_bundle``), else None
@@ -50,12 +51,14 @@ class Model:
         self.cpu = cpu
         self.threads = threads
         self._scale = float(config.qk_head_dim) ** -0.5
-        self._layout = StateLayout.from_config(config)
+        self._layout = StateLayout.from_config(config, latent_dtype)
+        self.latent_dtype = latent_dtype  # the MLA latent cache's dtype (state.LATENT_DTYPES)
         self._pool: ThreadPoolExecutor | None = None  # glue split (_split_pool), made on use
         native.available()  # load (or build, once per machine) the decode kernels now
 
     @classmethod
-    def from_hf(cls, path: str | os.PathLike[str], *, threads: int | None = None) -> Model:
+    def from_hf(cls, path: str | os.PathLike[str], *, threads: int | None = None,
+                latent_dtype: str = "float32") -> Model:
         """Load an HF checkpoint directory (config.json + safetensors), float32 numpy stages.
 
         Dense weights are read (and checked) now; routed experts stay on disk, memory-mapped,
@@ -73,7 +76,7 @@ class Model:
                 weights.check_experts(i)
         return cls(
             config, stages, NumpyExperts(weights.expert), CpuWeights.from_checkpoint(weights),
-            threads=policy.threads,
+            threads=policy.threads, latent_dtype=latent_dtype,
         )
 
     @classmethod
@@ -84,6 +87,7 @@ class Model:
         executor: ExecutorChoice = "auto",
         verify: VerifyMode = "stamped",
         threads: int | None = None,
+        latent_dtype: str = "float32",
     ) -> Model:
         """Load a converted bundle (a path, or an opened ``Bundle``): stage graphs on
         RKNNLite (the board, or its ONNX-twin mock on a host; ``executor`` = auto |
@@ -91,8 +95,12 @@ class Model:
         the placement plan. Every file is checked against the manifest's sha256 first
         (``verify``: stamped | full | size | none, see ``Bundle.verify``). ``threads``
         sizes every CPU pool (routed experts, CPU stage graphs) and pins them; see
-        ``ling3_rknn.cpu_threads`` (None: one per big core)."""
+        ``ling3_rknn.cpu_threads`` (None: one per big core). ``latent_dtype``: the MLA
+        latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``)."""
         runtime_for(executor)  # a bad choice fails before any file is read
+        if latent_dtype not in LATENT_DTYPES:  # before any file is read, like the executor
+            raise ValueError(f"latent cache dtype must be one of {LATENT_DTYPES}, got "
+                             f"{latent_dtype!r}")
         policy = apply_thread_policy(threads)
         if isinstance(path, Bundle):
             bundle = path
@@ -102,10 +110,14 @@ class Model:
             bundle = Bundle.open(path, verify=verify)
         parts = load_bundle_parts(bundle, executor, policy.threads)
         return cls(parts.config, parts.stages, parts.experts, parts.cpu,
-                   threads=policy.threads, bundle=bundle)
+                   threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype)
 
     def new_state(self) -> SequenceState:
-        return SequenceState(self.config)
+        return SequenceState(self.config, self.latent_dtype)
+
+    def snapshot_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> StateSnapshot:
+        """``StateSnapshot.from_arrays`` for this model's states (config and latent dtype)."""
+        return StateSnapshot.from_arrays(self.config, arrays, self.latent_dtype)
 
     def forward(
         self,

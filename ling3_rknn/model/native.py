@@ -40,8 +40,9 @@ SOURCES = ("mla_decode.c", "kda_decode.c")
 HEADERS = ("native_vec.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared")
 BUILD_TIMEOUT_S = 300
-ABI = 1  # LING3_NATIVE_ABI in native_vec.h: a library built from other sources is refused
-_MLA_SCRATCH_ROWS = 64 + 2  # mla_decode.c's scratch: a group's scores, maxes, factors
+ABI = 2  # LING3_NATIVE_ABI in native_vec.h: a library built from other sources is refused
+_MLA_GROUP = 64  # mla_decode.c's GROUP: rows scored together
+_MLA_SCRATCH_ROWS = _MLA_GROUP + 2  # its scratch per head: a group's scores, maxes, factors
 
 _library: Any = None  # the ctypes library, once loaded
 _loaded = False
@@ -138,7 +139,7 @@ def _load() -> Any:
         log.warning("compiled decode kernels: %s; using numpy", _status)
         return None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    mla.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, i64, ptr, ptr, ptr, ptr]
+    mla.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, i64, i32, ptr, ptr, ptr, ptr]
     mla.restype = i32
     kda.argtypes = [ptr, ptr, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, f32,
                     f32, ptr, i32, i32, ptr]
@@ -172,41 +173,44 @@ def _plain(*arrays: np.ndarray) -> bool:
 def mla_attend(q_t: np.ndarray, blocks: Sequence[np.ndarray], key0: int, visible: int, r: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """``mla._attend`` for one token: q_t [d, heads] (scaled query, head-minor) over the rows
-    of ``blocks`` from key position ``key0`` up to ``visible``. Returns (ctx^T [r, heads],
-    denominator, running max), or None when the kernel is off or the blocks are not plain
-    float32 rows of one width (the caller then takes the numpy path)."""
+    of ``blocks`` (float32 or float16 cache rows) from key position ``key0`` up to
+    ``visible``. Returns (ctx^T [r, heads], denominator, running max), or None when the
+    kernel is off or cannot read the blocks (the caller then takes the numpy path)."""
     lib = _load() if _enabled else None
-    if lib is None:
+    if lib is None or not blocks:
         return None
     d, heads = q_t.shape
     ptrs: list[int] = []
     lengths: list[int] = []
-    stride = blocks[0].shape[1] if blocks else 0
+    dtype = blocks[0].dtype
+    stride = blocks[0].shape[1] if blocks[0].ndim == 2 else 0
     pos = key0
     for block in blocks:
         if pos >= visible:
             break
-        if (block.dtype != np.float32 or block.ndim != 2 or block.shape[1] != stride
-                or block.strides != (4 * stride, 4)):
+        if (block.dtype != dtype or block.ndim != 2 or block.shape[1] != stride
+                or block.strides != (dtype.itemsize * stride, dtype.itemsize)):
             return None
         n = min(block.shape[0], visible - pos)
         ptrs.append(block.ctypes.data)
         lengths.append(n)
         pos += n
-    if not ptrs or d > stride or r > d:
+    if not ptrs or d > stride or r > d or dtype not in (np.float32, np.float16):
         return None
+    half = dtype == np.float16
     q_t = np.ascontiguousarray(q_t, dtype=np.float32)
     ctx = np.empty((r, heads), dtype=np.float32)
     denom = np.empty(heads, dtype=np.float32)
     run_max = np.empty(heads, dtype=np.float32)
-    scratch = np.empty(_MLA_SCRATCH_ROWS * heads, dtype=np.float32)
+    scratch = np.empty(_MLA_SCRATCH_ROWS * heads + (_MLA_GROUP * stride if half else 0),
+                       dtype=np.float32)
     block_ptrs = np.array(ptrs, dtype=np.uintp)
     block_lengths = np.array(lengths, dtype=np.int64)
-    lib.mla_decode_attend(
+    status = lib.mla_decode_attend(
         q_t.ctypes.data, heads, d, r, block_ptrs.ctypes.data, block_lengths.ctypes.data,
-        len(ptrs), stride, ctx.ctypes.data, denom.ctypes.data, run_max.ctypes.data,
-        scratch.ctypes.data)
-    return ctx, denom, run_max
+        len(ptrs), stride, int(half), ctx.ctypes.data, denom.ctypes.data,
+        run_max.ctypes.data, scratch.ctypes.data)
+    return (ctx, denom, run_max) if status == 0 else None
 
 
 class KdaDecodeCall:

@@ -21,6 +21,10 @@ from ..config import ModelConfig
 from .kda import RecurrentState
 
 BLOCK_TOKENS = 256
+# The MLA latent cache is float32, or float16 at half the memory: rows are rounded once when
+# appended (relative error <= 2^-11, below what bf16 inference of the checkpoint keeps),
+# and attention computes in float32 (docs/model.md 5.2).
+LATENT_DTYPES = ("float32", "float16")
 
 
 class SnapshotError(ValueError):
@@ -41,9 +45,13 @@ class StateLayout:
     conv_shape: tuple[int, int]
     recurrent_shape: tuple[int, int, int]
     latent_width: int
+    latent_dtype: str = "float32"  # or "float16": half the latent cache (LATENT_DTYPES)
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> StateLayout:
+    def from_config(cls, config: ModelConfig, latent_dtype: str = "float32") -> StateLayout:
+        if latent_dtype not in LATENT_DTYPES:
+            raise ValueError(f"latent cache dtype must be one of {LATENT_DTYPES}, got "
+                             f"{latent_dtype!r}")
         h, d = config.num_attention_heads, config.kda_head_dim
         return cls(
             kda_layers=config.kda_layers,
@@ -51,6 +59,7 @@ class StateLayout:
             conv_shape=(config.short_conv_kernel_size - 1, 3 * h * d),
             recurrent_shape=(h, d, d),
             latent_width=config.latent_dim,
+            latent_dtype=latent_dtype,
         )
 
 
@@ -62,10 +71,12 @@ class LatentCache:
         width: int,
         frozen: tuple[np.ndarray, ...] = (),
         partial: np.ndarray | None = None,
+        dtype: str = "float32",
     ) -> None:
         self.width = width
+        self.dtype = np.dtype(dtype)
         self._frozen = frozen
-        self._tail = np.empty((BLOCK_TOKENS, width), dtype=np.float32)
+        self._tail = np.empty((BLOCK_TOKENS, width), dtype=self.dtype)
         self._tail_len = 0
         if partial is not None and len(partial):
             self._tail[: len(partial)] = partial
@@ -85,7 +96,7 @@ class LatentCache:
             if self._tail_len == BLOCK_TOKENS:
                 self._tail.setflags(write=False)
                 self._frozen = (*self._frozen, self._tail)
-                self._tail = np.empty((BLOCK_TOKENS, self.width), dtype=np.float32)
+                self._tail = np.empty((BLOCK_TOKENS, self.width), dtype=self.dtype)
                 self._tail_len = 0
 
     def blocks(self) -> list[np.ndarray]:
@@ -162,9 +173,11 @@ class StateSnapshot:
         return arrays
 
     @classmethod
-    def from_arrays(cls, config: ModelConfig, arrays: Mapping[str, np.ndarray]) -> StateSnapshot:
-        """Validate untrusted arrays (keys, shapes, dtypes, finiteness) and rebuild a snapshot."""
-        layout = StateLayout.from_config(config)
+    def from_arrays(cls, config: ModelConfig, arrays: Mapping[str, np.ndarray],
+                    latent_dtype: str = "float32") -> StateSnapshot:
+        """Validate untrusted arrays (keys, shapes, dtypes, finiteness) and rebuild a snapshot
+        for a state whose latent cache is ``latent_dtype``."""
+        layout = StateLayout.from_config(config, latent_dtype)
         expected: dict[str, tuple[int, ...] | None] = {"length": ()}
         for i in layout.kda_layers:
             expected[f"kda.{i}.conv"] = layout.conv_shape
@@ -188,9 +201,10 @@ class StateSnapshot:
                 continue
             a = np.asarray(arrays[key])
             want = shape if shape is not None else (length, layout.latent_width)
-            if a.dtype != np.float32 or a.shape != want:
+            dtype = "float32" if shape is not None else layout.latent_dtype
+            if a.dtype != dtype or a.shape != want:
                 raise SnapshotError(
-                    f"snapshot array {key!r}: expected float32 {list(want)}, "
+                    f"snapshot array {key!r}: expected {dtype} {list(want)}, "
                     f"got {a.dtype} {list(a.shape)}"
                 )
             if not np.isfinite(a).all():
@@ -199,7 +213,7 @@ class StateSnapshot:
         recurrent = {i: np.array(arrays[f"kda.{i}.recurrent"]) for i in layout.kda_layers}
         latents = {}
         for i in layout.mla_layers:
-            cache = LatentCache(layout.latent_width)
+            cache = LatentCache(layout.latent_width, dtype=layout.latent_dtype)
             cache.append(np.asarray(arrays[f"mla.{i}.latent"]))
             latents[i] = cache.snapshot()
         return cls(layout, length, conv, recurrent, latents)
@@ -208,8 +222,8 @@ class StateSnapshot:
 class SequenceState:
     """Mutable state of one sequence; ``Model.forward`` advances it."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.layout = StateLayout.from_config(config)
+    def __init__(self, config: ModelConfig, latent_dtype: str = "float32") -> None:
+        self.layout = StateLayout.from_config(config, latent_dtype)
         self.length = 0
         self.conv = {
             i: np.zeros(self.layout.conv_shape, np.float32) for i in self.layout.kda_layers
@@ -217,7 +231,8 @@ class SequenceState:
         self.recurrent = {
             i: RecurrentState.zeros(self.layout.recurrent_shape) for i in self.layout.kda_layers
         }
-        self.latents = {i: LatentCache(self.layout.latent_width) for i in self.layout.mla_layers}
+        self.latents = {i: LatentCache(self.layout.latent_width, dtype=self.layout.latent_dtype)
+                        for i in self.layout.mla_layers}
         self.broken = False
 
     def snapshot(self) -> StateSnapshot:
@@ -241,7 +256,8 @@ class SequenceState:
             self.recurrent[i].set(snapshot._recurrent[i])
         for i in self.layout.mla_layers:
             s = snapshot._latents[i]
-            self.latents[i] = LatentCache(self.layout.latent_width, s.frozen, s.partial)
+            self.latents[i] = LatentCache(self.layout.latent_width, s.frozen, s.partial,
+                                          dtype=self.layout.latent_dtype)
         self.length = snapshot.length
         self.broken = False
 

@@ -13,8 +13,10 @@ experts hit vary as in a real decode.
                                                     [--mla compiled,numpy]
 
 Prints per thread count and context the median ms per token of the whole CPU half and its
-parts: routed experts (QMoE), stage stubs (their Python call cost), and the rest (glue:
-KDA conv + recurrence, MLA attention, routing, residual adds, orchestration). Thread
+parts: routed experts (QMoE, with their Python input preparation), stage stubs (their
+Python call cost), and the rest (glue), itself split into KDA (conv, norms, recurrence),
+MLA (RoPE, attention), routing, and orchestration (what is left: the layer loop, residual
+adds, the model's own Python). Thread
 counts are interleaved over ``--rounds`` so machine load hits each alike; the thread
 policy (``ling3_rknn.cpu_threads``) is applied exactly as ``serve`` applies it. ``--mla``
 interleaves the compiled MLA decode kernel (``ling3_rknn/model/native.py``, when built)
@@ -33,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import ling3_rknn.model.model as model_module
 from convert.qmoe_graph import build_qmoe_model
 from ling3_rknn import cpu_threads
 from ling3_rknn.config import ModelConfig
@@ -155,19 +158,59 @@ def build_model(cfg: ModelConfig, qmoe: list[bytes], threads: int, context: int,
     return model, stages, experts, state
 
 
+GLUE_PARTS = {  # the functions Model.forward calls for each part of the glue
+    "kda": ("kda_decode", "short_conv", "prepare_qkv", "kda_core"),
+    "mla": ("apply_rope", "mla_attention"),
+    "routing": ("route",),
+}
+
+
+class GlueTimers:
+    """Times the glue's parts by wrapping the functions ``Model.forward`` calls (its
+    module's names), for the duration of a ``with`` block."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(GLUE_PARTS, 0.0)
+        self._saved: dict[str, object] = {}
+
+    def _wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - t
+        return timed
+
+    def __enter__(self) -> GlueTimers:
+        for part, names in GLUE_PARTS.items():
+            for name in names:
+                self._saved[name] = getattr(model_module, name)
+                setattr(model_module, name, self._wrap(part, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(model_module, name, fn)
+
+
 def measure(model: Model, stages: StubStages, experts: TimedExperts, state, tokens: int
             ) -> dict[str, float]:
     model.forward([5], state)  # warm-up (first QMoE runs prepack)
-    totals, expert_ms, stub_ms = [], [], []
-    for _ in range(tokens):
-        experts.seconds = stages.seconds = 0.0
-        t = time.perf_counter()
-        model.forward([5], state, last_only=True)
-        totals.append((time.perf_counter() - t) * 1e3)
-        expert_ms.append(experts.seconds * 1e3)
-        stub_ms.append(stages.seconds * 1e3)
-    total, exp_, stub = (statistics.median(x) for x in (totals, expert_ms, stub_ms))
-    return {"total": total, "experts": exp_, "stubs": stub, "glue": total - exp_ - stub}
+    rows: list[dict[str, float]] = []
+    with GlueTimers() as glue:
+        for _ in range(tokens):
+            experts.seconds = stages.seconds = 0.0
+            glue.seconds = dict.fromkeys(GLUE_PARTS, 0.0)
+            t = time.perf_counter()
+            model.forward([5], state, last_only=True)
+            row = {"total": (time.perf_counter() - t) * 1e3, "experts": experts.seconds * 1e3,
+                   "stubs": stages.seconds * 1e3}
+            row["glue"] = row["total"] - row["experts"] - row["stubs"]
+            row.update({part: s * 1e3 for part, s in glue.seconds.items()})
+            row["orchestration"] = row["glue"] - sum(row[p] for p in GLUE_PARTS)
+            rows.append(row)
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
 
 
 def read_bandwidth(threads: int, nbytes: int = 400 * 2**20, repeats: int = 3) -> float:
@@ -239,6 +282,13 @@ def main() -> None:
         best = min(runs, key=lambda r: r["total"])
         print(f"{n:>7} {context:>7} {path:>8} {best['total']:>7.1f} {best['experts']:>8.1f} "
               f"{best['glue']:>6.1f} {best['stubs']:>6.2f}")
+    print("\nthe glue's parts, ms per token (same runs)")
+    print(f"{'threads':>7} {'context':>7} {'mla':>8} {'kda':>6} {'mla':>6} {'routing':>8} "
+          f"{'orchestration':>14}")
+    for (n, context, path), runs in sorted(results.items()):
+        best = min(runs, key=lambda r: r["total"])
+        print(f"{n:>7} {context:>7} {path:>8} {best['kda']:>6.2f} {best['mla']:>6.2f} "
+              f"{best['routing']:>8.2f} {best['orchestration']:>14.2f}")
     print("\nmemory floors (the bytes alone at the measured streaming-read bandwidth)")
     print(f"{'threads':>7} {'context':>7} {'GB/s':>6} {'experts':>8} {'glue':>6}   "
           f"measured/floor experts, glue ({paths[0]} MLA)")
