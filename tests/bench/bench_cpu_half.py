@@ -10,7 +10,7 @@ experts hit vary as in a real decode.
 
     .venv/bin/python tests/bench/bench_cpu_half.py [--threads 1,2] [--contexts 512,4096]
                                                     [--tokens 40] [--rounds 2]
-                                                    [--mla compiled,numpy]
+                                                    [--glue compiled,numpy]
 
 Prints per thread count and context the median ms per token of the whole CPU half and its
 parts: routed experts (QMoE, with their Python input preparation), stage stubs (their
@@ -18,9 +18,9 @@ Python call cost), and the rest (glue), itself split into KDA (conv, norms, recu
 MLA (RoPE, attention), routing, and orchestration (what is left: the layer loop, residual
 adds, the model's own Python). Thread
 counts are interleaved over ``--rounds`` so machine load hits each alike; the thread
-policy (``ling3_rknn.cpu_threads``) is applied exactly as ``serve`` applies it. ``--mla``
-interleaves the compiled MLA decode kernel (``ling3_rknn/model/native.py``, when built)
-with the numpy path it replaces.
+policy (``ling3_rknn.cpu_threads``) is applied exactly as ``serve`` applies it. ``--glue``
+interleaves the compiled decode kernels (``ling3_rknn/model/native.py``: KDA step, MLA
+attention) with the numpy paths they replace.
 """
 
 from __future__ import annotations
@@ -247,18 +247,30 @@ def floors(cfg: ModelConfig, threads: int, contexts: list[int]) -> dict[int, dic
     return out
 
 
+def print_best(results: dict[tuple[int, int, str], list[dict[str, float]]],
+               columns: list[tuple[str, int, str]]) -> None:
+    """One row per (threads, context, glue path): ``columns`` (key, width, format) of its
+    best round (lowest total)."""
+    print(f"{'threads':>7} {'context':>7} {'kernels':>8} "
+          + " ".join(f"{key:>{width}}" for key, width, _ in columns))
+    for (n, context, path), runs in sorted(results.items()):
+        best = min(runs, key=lambda r: r["total"])
+        print(f"{n:>7} {context:>7} {path:>8} "
+              + " ".join(f"{best[key]:>{width}{fmt}}" for key, width, fmt in columns))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2", help="thread counts, interleaved")
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--tokens", type=int, default=40, help="decode steps per measurement")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--mla", default="compiled",
-                    help="MLA decode attention: compiled, numpy, or both (compiled,numpy)")
+    ap.add_argument("--glue", default="compiled",
+                    help="decode glue kernels: compiled, numpy, or both (compiled,numpy)")
     args = ap.parse_args()
-    paths = args.mla.split(",")
+    paths = args.glue.split(",")
     if "compiled" in paths and not native.available():
-        sys.exit(f"the compiled MLA kernel is not built ({native.LIBRARY}); run make venv")
+        sys.exit(f"the compiled decode kernels are not available: {native.status()}")
     cfg = real_config()
     rng = np.random.default_rng(0)
     print("building two random int4 QMoE layers at real size ...", flush=True)
@@ -276,22 +288,14 @@ def main() -> None:
                         measure(model, stages, experts, state, args.tokens))
     print(f"\nCPU half of a decode step, ms per token (median of {args.tokens} steps, best "
           f"of {args.rounds} rounds)")
-    print(f"{'threads':>7} {'context':>7} {'mla':>8} {'total':>7} {'experts':>8} {'glue':>6} "
-          f"{'stubs':>6}")
-    for (n, context, path), runs in sorted(results.items()):
-        best = min(runs, key=lambda r: r["total"])
-        print(f"{n:>7} {context:>7} {path:>8} {best['total']:>7.1f} {best['experts']:>8.1f} "
-              f"{best['glue']:>6.1f} {best['stubs']:>6.2f}")
+    print_best(results, [("total", 7, ".1f"), ("experts", 8, ".1f"), ("glue", 6, ".1f"),
+                         ("stubs", 6, ".2f")])
     print("\nthe glue's parts, ms per token (same runs)")
-    print(f"{'threads':>7} {'context':>7} {'mla':>8} {'kda':>6} {'mla':>6} {'routing':>8} "
-          f"{'orchestration':>14}")
-    for (n, context, path), runs in sorted(results.items()):
-        best = min(runs, key=lambda r: r["total"])
-        print(f"{n:>7} {context:>7} {path:>8} {best['kda']:>6.2f} {best['mla']:>6.2f} "
-              f"{best['routing']:>8.2f} {best['orchestration']:>14.2f}")
+    print_best(results, [("kda", 6, ".2f"), ("mla", 6, ".2f"), ("routing", 8, ".2f"),
+                         ("orchestration", 14, ".2f")])
     print("\nmemory floors (the bytes alone at the measured streaming-read bandwidth)")
     print(f"{'threads':>7} {'context':>7} {'GB/s':>6} {'experts':>8} {'glue':>6}   "
-          f"measured/floor experts, glue ({paths[0]} MLA)")
+          f"measured/floor experts, glue ({paths[0]} kernels)")
     for n in threads:
         for context, f in floors(cfg, n, contexts).items():
             best = min(results[(n, context, paths[0])], key=lambda r: r["total"])
