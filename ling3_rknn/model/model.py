@@ -21,7 +21,13 @@ from .kda import kda_core, kda_decode, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
 from .moe import ExpertBackend, NumpyExperts, route
 from .stages import LayerOutput
-from .state import LATENT_DTYPES, SequenceState, StateError, StateLayout, StateSnapshot
+from .state import (
+    SequenceState,
+    StateError,
+    StateLayout,
+    StateSnapshot,
+    check_latent_dtype,
+)
 from .weights import CheckpointWeights
 
 # Whether a decode token's KDA heads are shared out over the glue threads (measured in
@@ -98,9 +104,7 @@ class Model:
         ``ling3_rknn.cpu_threads`` (None: one per big core). ``latent_dtype``: the MLA
         latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``)."""
         runtime_for(executor)  # a bad choice fails before any file is read
-        if latent_dtype not in LATENT_DTYPES:  # before any file is read, like the executor
-            raise ValueError(f"latent cache dtype must be one of {LATENT_DTYPES}, got "
-                             f"{latent_dtype!r}")
+        check_latent_dtype(latent_dtype)  # before any file is read, like the executor
         policy = apply_thread_policy(threads)
         if isinstance(path, Bundle):
             bundle = path

@@ -27,6 +27,13 @@ BLOCK_TOKENS = 256
 LATENT_DTYPES = ("float32", "float16")
 
 
+def check_latent_dtype(latent_dtype: str) -> None:
+    """ValueError for a latent cache dtype the state cannot hold."""
+    if latent_dtype not in LATENT_DTYPES:
+        raise ValueError(f"latent cache dtype must be one of {LATENT_DTYPES}, got "
+                         f"{latent_dtype!r}")
+
+
 class SnapshotError(ValueError):
     """Snapshot arrays (e.g. from a disk cache) do not fit this model, or a snapshot is from
     another model."""
@@ -49,9 +56,7 @@ class StateLayout:
 
     @classmethod
     def from_config(cls, config: ModelConfig, latent_dtype: str = "float32") -> StateLayout:
-        if latent_dtype not in LATENT_DTYPES:
-            raise ValueError(f"latent cache dtype must be one of {LATENT_DTYPES}, got "
-                             f"{latent_dtype!r}")
+        check_latent_dtype(latent_dtype)
         h, d = config.num_attention_heads, config.kda_head_dim
         return cls(
             kda_layers=config.kda_layers,
