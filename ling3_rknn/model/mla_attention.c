@@ -236,6 +236,9 @@ int mla_decode_attend(const float *qT, int heads, int d, int r, const void *cons
  * query [c_kv part (r) | rope part] of one head of one token, lane_pos [tiles * 16] its
  * position (a padding lane: any position, its result is discarded). Key row k is seen by a
  * column at position p iff k <= p; rows below `mask_from` are seen by every column.
+ * Scores read channels [score_offset, score_offset + d) of a row, the context its first r:
+ * the absorbed form's latent rows [c_kv | k_rope] take offset 0 (the context is c_kv), the
+ * expanded form's per-head rows [v | k_nope | k_rope] offset r (docs/model.md, MLA).
  *
  * Why: a 64-token chunk over a deep cache is the same two products as decode with 64x the
  * columns. Through numpy they are skinny GEMMs (K = 576 or N = 16 x heads) plus separate
@@ -252,9 +255,9 @@ int mla_decode_attend(const float *qT, int heads, int d, int r, const void *cons
 #define TILE_BLOCK 4 /* tiles sharing each group of rows: 4 x 32 KB of context + the rows */
 
 int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int d, int r,
-                       const void *const *blocks, const int64_t *lengths, int n_blocks,
-                       int64_t stride, int half, int64_t mask_from, float *ctxT,
-                       float *scratch) {
+                       int score_offset, const void *const *blocks, const int64_t *lengths,
+                       int n_blocks, int64_t stride, int half, int64_t mask_from,
+                       float *ctxT, float *scratch) {
 #ifndef HAVE_FLOAT16
     if (half) return -2;
 #endif
@@ -296,7 +299,7 @@ int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int 
                 for (int t = 0; t < nt; t++) {
                     const float *q = qT + (int64_t)(t0 + t) * d * HEADS;
                     float *s = scores + (int64_t)t * GROUP * HEADS;
-                    scores16(q, d, rows, stride, n, s);
+                    scores16(q, d, rows + score_offset, stride, n, s);
                     if (key + n > mask_from) { /* rows some column of the chunk must not see */
                         const int32_t *pos = lane_pos + (int64_t)(t0 + t) * HEADS;
                         const int64_t first = mask_from > key ? mask_from - key : 0;

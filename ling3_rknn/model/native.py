@@ -144,7 +144,8 @@ def _load() -> Any:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     mla.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, i64, i32, ptr, ptr, ptr, ptr]
     mla.restype = i32
-    prefill.argtypes = [ptr, ptr, i32, i32, i32, ptr, ptr, i32, i64, i32, i64, ptr, ptr]
+    prefill.argtypes = [ptr, ptr, i32, i32, i32, i32, ptr, ptr, i32, i64, i32, i64, ptr,
+                        ptr]
     prefill.restype = i32
     kda.argtypes = [ptr, ptr, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, f32,
                     f32, ptr, i32, i32, ptr]
@@ -240,7 +241,7 @@ class PrefillAttention:
     are independent and write disjoint rows of the result)."""
 
     def __init__(self, lib: Any, q: np.ndarray, q_pos: np.ndarray, rows: _CacheRows,
-                 mask_from: int, r: int) -> None:
+                 mask_from: int, r: int, score_offset: int) -> None:
         n, d = q.shape
         self.tiles = -(-n // _LANES)
         padded = np.zeros((self.tiles * _LANES, d), dtype=np.float32)
@@ -251,6 +252,7 @@ class PrefillAttention:
         pos[:n] = q_pos
         self._pos = pos
         self._lib, self._rows, self._mask_from, self._r, self._n = lib, rows, mask_from, r, n
+        self._offset = score_offset
         self._ctx_t = np.empty((self.tiles, r, _LANES), dtype=np.float32)
         self.failed = False
 
@@ -264,9 +266,9 @@ class PrefillAttention:
         d = self._q_t.shape[1]
         status = self._lib.mla_prefill_attend(
             self._q_t[first].ctypes.data, self._pos[first * _LANES:].ctypes.data, stop - first,
-            d, self._r, rows.ptrs.ctypes.data, rows.lengths.ctypes.data, len(rows.ptrs),
-            rows.stride, int(rows.half), self._mask_from, self._ctx_t[first].ctypes.data,
-            scratch.ctypes.data)
+            d, self._r, self._offset, rows.ptrs.ctypes.data, rows.lengths.ctypes.data,
+            len(rows.ptrs), rows.stride, int(rows.half), self._mask_from,
+            self._ctx_t[first].ctypes.data, scratch.ctypes.data)
         if status != 0:
             self.failed = True
 
@@ -276,18 +278,20 @@ class PrefillAttention:
 
 
 def mla_prefill(q: np.ndarray, q_pos: np.ndarray, blocks: Sequence[np.ndarray], visible: int,
-                mask_from: int, r: int) -> PrefillAttention | None:
+                mask_from: int, r: int, score_offset: int = 0) -> PrefillAttention | None:
     """A ready ``PrefillAttention`` for query columns ``q`` [n, d] (scaled) at positions
     ``q_pos`` over the first ``visible`` rows of ``blocks``, rows below ``mask_from`` seen by
-    every column; None when the kernel is off or cannot read the blocks."""
+    every column. Scores use a row's channels from ``score_offset`` on, the context its
+    first ``r``. None when the kernel is off or cannot read the blocks."""
     lib = _load() if _enabled else None
     if lib is None:
         return None
     rows = _CacheRows.of(blocks, 0, visible)
     n, d = q.shape
-    if rows is None or d > rows.stride or r > d or n == 0:
+    if rows is None or score_offset + d > rows.stride or r > rows.stride or n == 0:
         return None
-    return PrefillAttention(lib, np.asarray(q, dtype=np.float32), q_pos, rows, mask_from, r)
+    return PrefillAttention(lib, np.asarray(q, dtype=np.float32), q_pos, rows, mask_from, r,
+                            score_offset)
 
 
 class KdaDecodeCall:
