@@ -49,8 +49,9 @@ def test_quick_report_has_sane_figures(quick_run):
     assert report["npu_calls_per_token"]["decode"] >= 1
     assert report["rss_bytes"] > 0 and report["npu_resident_bytes"] > 0
     assert report["empty_graph"]["median_us"] > 0
-    for split in report["ms_per_token"].values():
-        assert {"npu_stages", "experts", "cpu_glue"} <= set(split)
+    for key in ("ms_per_token", "prefill_ms_per_token"):  # decode's and prefill's split
+        for split in report[key].values():
+            assert {"npu_stages", "experts", "cpu_glue"} <= set(split)
     assert report["machine"]["is_rk3588"] in (True, False)
     assert len(report["bundle"]["manifest_sha256"]) == 64
     assert report["bundle"]["model_id"] == "ling-3.0-tiny-demo"

@@ -109,6 +109,7 @@ async def sized_run(engine: Engine, timers: ComponentTimers, size: int, decode_t
         "decode_tokens": decoded, "decode_s": decode_s,
         "decode_tok_s": decoded / decode_s if decoded and decode_s > 0 else None,
         "finish_reason": fin.finish_reason, "ms_per_token": split,
+        "prefill_ms_per_token": timers.prefill.per_token_ms(),
         "npu_calls_per_token": _per_token(timers.decode),
         "npu_calls_per_prefill_token": _per_token(timers.prefill),
     }

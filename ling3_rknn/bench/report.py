@@ -39,6 +39,7 @@ def build_report(figures: dict[str, Any], *, executor: str, machine: dict[str, A
         "decode_tok_s": _by_size(runs, "decode_tok_s"),
         "ttft_s": _by_size(runs, "ttft_s"),
         "ms_per_token": _by_size(runs, "ms_per_token"),
+        "prefill_ms_per_token": _by_size(runs, "prefill_ms_per_token"),
         "npu_calls_per_token": {
             "decode": _mean([r["npu_calls_per_token"] for r in runs]),
             "prefill": _mean([r["npu_calls_per_prefill_token"] for r in runs]),
