@@ -3,7 +3,8 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: system-tools serve test lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval
+.PHONY: system-tools serve test lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval \
+	test-aarch64
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -23,6 +24,15 @@ lint: $(STAMP)
 
 test: lint rknn-env agent-clients system-tools
 	$(VENV)/bin/pytest $(ARGS)
+
+# The aarch64 tier (docs/board-guide.md, "Before a board"): the board's software stack on a
+# Debian 12 arm64 root filesystem under qemu-user (Cortex-A76 model), built once and cached
+# in ~/.cache/ling3-rknn/aarch64-rootfs. Needs root (chroot, binfmt_misc). AARCH64_PARTS:
+# all, or a comma list of kernels,serve,board,unit (tests/aarch64/board.sh).
+AARCH64_PARTS ?= all
+test-aarch64: $(STAMP)
+	$$( [ "$$(id -u)" = 0 ] || echo sudo ) env VENV=$(abspath $(VENV)) \
+		BOARD_TIER=$(AARCH64_PARTS) tests/aarch64/run.sh
 
 # Host-only tools: transformers 5.24.0 on the local CPU torch wheel, used to regenerate
 # the committed oracle fixtures and goldens (never needed by `make test`).
