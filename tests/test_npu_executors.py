@@ -17,6 +17,7 @@ from ling3_rknn.npu import (
     RknnLiteExecutor,
     resolve_rknnlite,
 )
+from ling3_rknn.npu.executors import LIBRKNNRT, runtime_problem
 
 D, P, H = 32, 48, 4
 
@@ -225,3 +226,25 @@ def test_board_runtime_class_is_used_when_importable(stage, monkeypatch):
     assert resolve_rknnlite() is BoardRKNNLite
     root, spec = stage
     assert RknnLiteExecutor(root / spec.rknn, spec).runtime_name == "BoardRKNNLite"
+
+
+def test_a_real_runtime_that_cannot_start_says_why(stage, tmp_path):
+    """RKNNLite only logs its failure; the error names the missing librknnrt.so or the
+    machine that is not an RK3588, the way doctor does."""
+    class BoardRKNNLite(MockRKNNLite):
+        def init_runtime(self, core_mask=0):
+            return -1
+
+    root, spec = stage
+    lib, dt = tmp_path / "librknnrt.so", tmp_path / "compatible"
+    problem = runtime_problem(BoardRKNNLite, lib, dt)
+    assert f"{lib} is missing" in problem and "/usr/lib" in problem
+    lib.write_bytes(b"\x7fELF")
+    dt.write_bytes(b"raspberrypi,5-model-b\0brcm,bcm2712\0")
+    assert "not an RK3588" in runtime_problem(BoardRKNNLite, lib, dt)
+    dt.write_bytes(b"friendlyelec,cm3588\0rockchip,rk3588\0")
+    assert runtime_problem(BoardRKNNLite, lib, dt) == "see the RKNNLite log above"
+    assert runtime_problem(MockRKNNLite, tmp_path / "none", dt) == "see the log above"
+    if not LIBRKNNRT.exists():
+        with pytest.raises(NpuError, match=r"librknnrt\.so is missing"):
+            RknnLiteExecutor(root / spec.rknn, spec, rknnlite_cls=BoardRKNNLite)

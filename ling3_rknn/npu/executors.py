@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ling3_rknn.cpu_threads import pool_worker_cores
+from ling3_rknn.cpu_threads import is_rk3588, pool_worker_cores
 from ling3_rknn.npu.errors import NpuError, NpuInputError
 from ling3_rknn.npu.rknnlite_mock import MockRKNNLite
 
@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 RUNTIME_ENV = "LING3_NPU_RUNTIME"  # "board" | "mock" | "auto"
 CORE_MASKS = {"auto": 0, "0": 1, "1": 2, "2": 4, "0_1": 3, "0_1_2": 7, "all": 0xFFFF}
+# Where rknn-toolkit-lite2 loads Rockchip's C runtime from (the wheel does not ship it;
+# docs/board-guide.md section 2).
+LIBRKNNRT = Path("/usr/lib/librknnrt.so")
 
 
 class GraphSpec(Protocol):
@@ -88,6 +91,25 @@ def resolve_rknnlite(choice: str | None = None) -> type:
     return RKNNLite
 
 
+def runtime_problem(cls: type, librknnrt: Path = LIBRKNNRT, compatible: Path | None = None
+                    ) -> str:
+    """Why a real ``RKNNLite`` cannot start here, in the words ``ling3-rknn doctor`` uses:
+    RKNNLite itself only logs a traceback (its SoC probe fails first off an RK3588, then
+    the library lookup), which a service's journal shows far from the error."""
+    if cls is MockRKNNLite:
+        return "see the log above"
+    if not librknnrt.exists():
+        return (f"{librknnrt} is missing: rknn-toolkit-lite2 needs Rockchip's runtime "
+                "library, which its wheel does not ship; install librknnrt.so from the "
+                "rknn-toolkit2 release that built the bundle into /usr/lib "
+                "(docs/board-guide.md section 2, `ling3-rknn doctor` prints the command)")
+    if not (is_rk3588() if compatible is None else is_rk3588(compatible)):
+        return (f"this machine ({platform.machine()}) is not an RK3588 (the device tree "
+                "names no rockchip,rk3588): RKNNLite runs on the board only; "
+                f"{RUNTIME_ENV}=mock runs the graphs' ONNX twins on the CPU")
+    return "see the RKNNLite log above"
+
+
 def check_inputs(spec: GraphSpec, inputs: Sequence[np.ndarray]) -> int:
     """Validate count, dtype and shape; returns the index of the matching shape set."""
     if len(inputs) != len(spec.inputs):
@@ -130,7 +152,7 @@ class RknnLiteExecutor:
         if ret != 0:
             self._lite.release()
             raise NpuError(f"init_runtime(core_mask={mask}) for {self.path.name} failed "
-                           f"with {ret} (see the RKNNLite log above)")
+                           f"with {ret}: {runtime_problem(cls)}")
         self._dtype = _feed_dtype(spec)
 
     def run(self, *inputs: np.ndarray) -> list[np.ndarray]:

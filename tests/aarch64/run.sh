@@ -49,7 +49,7 @@ echo "== x86 answers of the demo bundle"
 "$venv/bin/python" "$here/kernel_errors.py" --out "$work/kernel-errors-x86_64.json"
 
 # The package exactly as a user installs it: a wheel (PyPI's form), its [board] extra.
-"$venv/bin/pip" wheel --quiet --no-deps --no-build-isolation -w "$work/dist" "$repo"
+"$venv/bin/pip" wheel --quiet --no-deps -w "$work/dist" "$repo"
 
 # What board.sh reads: the wheel, the tests (the package itself comes from the wheel), the
 # systemd unit and its environment file, the x86 answers.
@@ -58,6 +58,14 @@ cp -a "$repo/tests" "$repo/systemd" "$repo/pyproject.toml" "$work/dist" "$root/s
 rm -rf "$root/src/tests/server_clients/node_modules"
 cp "$work"/*.json "$root/src/"
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+# pip inside reaches PyPI as the host's pip does: the host's trust store (a TLS-inspecting
+# proxy's CA included) and its proxy and index settings.
+cp "${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}" "$root/src/host-ca.crt"
+pass_env=(PIP_CERT=/src/host-ca.crt)
+for name in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY PIP_INDEX_URL \
+        PIP_DEFAULT_TIMEOUT; do
+    [ -n "${!name:-}" ] && pass_env+=("$name=${!name}")
+done
 
 mount -t proc proc "$root/proc"
 # The board's /proc/cpuinfo: gcc's -march=native reads it (QEMU 7.2 passes the host's
@@ -72,7 +80,7 @@ mount --bind "$pip_cache" "$root/root/.cache/pip"
 
 echo "== into the aarch64 root filesystem ($((SECONDS - started)) s so far)"
 # cortex-a76: the RK3588's big core, which QEMU 7.2 models (NEON, fp16, dot product).
-env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 "${pass_env[@]}" \
     QEMU_CPU="${QEMU_CPU:-cortex-a76}" BOARD_TIER="${BOARD_TIER:-all}" \
     nice -n 10 chroot "$root" /bin/bash /src/tests/aarch64/board.sh
 echo "== aarch64 tier passed in $((SECONDS - started)) s"
