@@ -139,7 +139,7 @@ def _engine_errors(ended: str, request_id: str) -> Iterator[None]:
     try:
         yield
     except ContextLengthExceeded as exc:
-        raise context_length_exceeded(str(exc)) from None
+        raise context_length_exceeded(str(exc), exc.prompt_tokens, exc.max_context) from None
     except EngineBusy as exc:
         raise busy(str(exc) or "The server is busy; retry shortly.") from None
     except InvalidRequest as exc:
