@@ -1,12 +1,14 @@
 """The opaque reasoning values that clients hand back next turn: the Responses API's
 ``encrypted_content`` and the Anthropic ``thinking`` block's ``signature``.
 
-Both exist so that a client which cannot (or is told not to) keep the reasoning as text can
-send it back and the server re-renders the assistant turn byte for byte, which is what
-makes the next turn hit the prefix cache (docs/serving.md 11.3). The value is the reasoning
-text itself, base64url-encoded, with a SHA-256 check: not a secret (the client may read
-its own model's reasoning), but a value this server did not write, or one altered on the
-way, is refused by name instead of silently rendering a different prompt.
+Both exist so that a client which does not keep the reasoning as text (Codex sends
+``store: false`` and keeps only the encrypted value; Claude Code asks for thinking with
+``display: "omitted"``) can send it back and the server re-renders the assistant turn byte
+for byte, which is what makes the next turn hit the prefix cache (docs/serving.md 11.3).
+The value is the reasoning text itself, base64url-encoded, with a SHA-256 check: not a
+secret (the client may read its own model's reasoning), but a value this server did not
+write, or one altered on the way, is refused by name instead of silently rendering a
+different prompt.
 """
 
 from __future__ import annotations
@@ -45,15 +47,6 @@ def unseal(value: str) -> str | None:
     return text if hmac.compare_digest(_digest(text), digest) else None
 
 
-def signature(text: str) -> str:
-    """A ``thinking`` block's signature: the check alone (the block carries the text)."""
-    return f"{PREFIX}.{_digest(text)}"
-
-
-def signature_state(text: str, value: str) -> bool | None:
-    """True: ``value`` is this server's signature of ``text``; False: one of ours that does
-    not match (the text was altered); None: not one of ours (another server's, or empty)."""
-    prefix, _, digest = value.partition(".")
-    if prefix != PREFIX or not digest or "." in digest:
-        return None
-    return hmac.compare_digest(_digest(text), digest)
+def is_sealed(value: str) -> bool:
+    """Whether ``value`` claims to be one of ours (as opposed to another server's)."""
+    return value.startswith(PREFIX + ".")

@@ -49,6 +49,7 @@ class MessagesNotes:
     """What the writer needs besides the chat request."""
 
     stop_sequences: tuple[str, ...]
+    show_thinking: bool = True
 
 
 # ---- content blocks ---------------------------------------------------------------------
@@ -90,7 +91,7 @@ _BLOCKS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
                      "content": nullable(_texts), "is_error": nullable(boolean),
                      "cache_control": _ANY}, ("tool_use_id",)),
 }
-_ROLE_BLOCKS = {"user": ("text", "tool_result"),
+_ROLE_BLOCKS = {"user": ("text", "tool_result"), "system": ("text",),
                 "assistant": ("text", "thinking", "redacted_thinking", "tool_use")}
 
 
@@ -107,19 +108,29 @@ def _block(value: Any, path: str, role: str) -> dict[str, Any]:
 # ---- messages ---------------------------------------------------------------------------
 
 
+def _thinking_text(block: dict[str, Any], path: str) -> str:
+    """The reasoning of a ``thinking`` block. Our signature carries the text (sealed), so a
+    block whose text was omitted (``display: "omitted"``) still renders what the model
+    wrote; a block whose text differs from its signature's is refused. Another server's
+    signature is not ours to check: the text is used as sent."""
+    text, signature = block["thinking"], block.get("signature") or ""
+    if not reasoning_seal.is_sealed(signature):
+        return text
+    sealed = reasoning_seal.unseal(signature)
+    if sealed is None or (text and text != sealed):
+        fail(join(path, "signature"), "the thinking block does not match its signature: "
+                                      "send thinking blocks back unchanged")
+    return sealed  # type: ignore[return-value]
+
+
 def _assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": None}
     texts: list[str] = []
     for j, block in enumerate(blocks):
         kind = block["type"]
         if kind == "thinking":
-            signed = reasoning_seal.signature_state(block["thinking"],
-                                                    block.get("signature") or "")
-            if signed is False:
-                fail(f"{path}.content[{j}].signature", "the thinking text does not match its "
-                     "signature: send thinking blocks back unchanged")
-            message["reasoning_content"] = message.get("reasoning_content", "") + block[
-                "thinking"]
+            text = _thinking_text(block, f"{path}.content[{j}]")
+            message["reasoning_content"] = message.get("reasoning_content", "") + text
         elif kind == "text":
             texts.append(block["text"])
         elif kind == "tool_use":
@@ -152,7 +163,8 @@ def _user(blocks: list[dict[str, Any]], path: str, calls: set[str]) -> list[dict
 
 def _messages(value: Any, path: str) -> list[dict[str, Any]]:
     items = array(lambda v, p: json_object(
-        v, p, {"role": one_of("user", "assistant"), "content": _ANY}, ("role", "content")),
+        v, p, {"role": one_of("user", "assistant", "system"), "content": _ANY},
+        ("role", "content")),
         min_items=1)(value, path)
     out: list[dict[str, Any]] = []
     calls: set[str] = set()
@@ -170,6 +182,8 @@ def _messages(value: Any, path: str) -> list[dict[str, Any]]:
             message = _assistant(blocks, where)
             calls = {c["id"] for c in message.get("tool_calls", ())}
             out.append(message)
+        elif role == "system":  # Claude Code's mid-conversation system turns
+            out.append({"role": "system", "content": "\n".join(b["text"] for b in blocks)})
         else:
             out.extend(_user(blocks, where, calls))
             calls = set()
@@ -234,14 +248,22 @@ def _tool_choice(value: Any, path: str, names: set[str]
 # ---- top level --------------------------------------------------------------------------
 
 
-def _thinking(value: Any, path: str) -> bool:
+@dataclass(frozen=True)
+class Thinking:
+    enabled: bool
+    shown: bool  # False with display "omitted": the text travels only in the signature
+
+
+def _thinking(value: Any, path: str) -> Thinking:
     kind = any_object(value, path).get("type")
+    display = nullable(one_of("summarized", "omitted"))
     if kind == "enabled":
-        json_object(value, path, {"type": string, "budget_tokens": integer(1)},
-                    ("type", "budget_tokens"))
-        return True
-    fields = json_object(value, path, {"type": one_of("disabled", "adaptive")}, ("type",))
-    return fields["type"] == "adaptive"
+        fields = json_object(value, path, {"type": string, "budget_tokens": integer(1),
+                                           "display": display}, ("type", "budget_tokens"))
+    else:
+        fields = json_object(value, path, {"type": one_of("disabled", "adaptive"),
+                                           "display": display}, ("type",))
+    return Thinking(fields["type"] != "disabled", fields.get("display") != "omitted")
 
 
 def _stops(value: Any, path: str) -> tuple[str, ...]:
@@ -291,6 +313,7 @@ def read_messages_request(body: dict[str, Any], *, count_only: bool = False
     if fields.get("system"):
         messages.insert(0, {"role": "system", "content": fields["system"]})
     stops = fields.get("stop_sequences") or ()
+    thinking = fields.get("thinking") or Thinking(enabled=False, shown=True)
     request = ChatRequest(
         model=fields["model"],
         messages=messages,
@@ -305,6 +328,6 @@ def read_messages_request(body: dict[str, Any], *, count_only: bool = False
         sampling=SamplingParams(temperature=fields.get("temperature"),
                                 top_p=fields.get("top_p"), top_k=fields.get("top_k")),
         # Anthropic's default is no extended thinking; `thinking` turns it on.
-        enable_thinking=bool(fields.get("thinking")),
+        enable_thinking=thinking.enabled,
     )
-    return request, MessagesNotes(stops)
+    return request, MessagesNotes(stops, thinking.shown)

@@ -1,11 +1,12 @@
 """Completion events -> the Anthropic Messages API: the whole ``message``, or its event
 stream (``message_start``, ``content_block_*``, ``message_delta``, ``message_stop``).
 
-Content blocks follow the order the model writes: ``thinking`` (signed with
-``reasoning_seal.signature`` so it can come back next turn), ``text``, then one
-``tool_use`` per call. Usage follows Anthropic's split: ``input_tokens`` are the prompt
-tokens evaluated, ``cache_read_input_tokens`` those the prefix cache supplied (their sum is
-the prompt); streams give the final figures in ``message_delta`` (docs/serving.md 11.4).
+Content blocks follow the order the model writes: ``thinking`` (its signature is the text
+sealed by ``reasoning_seal``, so it comes back next turn even when the client asked for
+``display: "omitted"`` and got no text), ``text``, then one ``tool_use`` per call. Usage
+follows Anthropic's split: ``input_tokens`` are the prompt tokens evaluated,
+``cache_read_input_tokens`` those the prefix cache supplied (their sum is the prompt);
+streams give the final figures in ``message_delta`` (docs/serving.md 11.4).
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class MessagesWriter:
         text = "".join(self._parts)
         out = b""
         if block["type"] == "thinking":
-            block["thinking"] = text
-            block["signature"] = reasoning_seal.signature(text)
+            block["thinking"] = text if self._notes.show_thinking else ""
+            block["signature"] = reasoning_seal.seal(text)
             if self._stream:
                 out += _event("content_block_delta", {"index": self._index(), "delta": {
                     "type": "signature_delta", "signature": block["signature"]}})
@@ -90,6 +91,9 @@ class MessagesWriter:
             out = b""
             if self._block is None or self._block["type"] != "thinking":
                 out = self._open({"type": "thinking", "thinking": "", "signature": ""})
+            if not self._notes.show_thinking:
+                self._parts.append(event.text)
+                return out
             return out + self._delta({"type": "thinking_delta", "thinking": event.text},
                                      event.text)
         if isinstance(event, ContentDelta):

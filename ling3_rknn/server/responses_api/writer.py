@@ -29,7 +29,9 @@ def _id(prefix: str) -> str:
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        # The engine snapshots the end of every prompt, so what it evaluated was written.
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                 "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {
             "reasoning_tokens": min(usage.reasoning_tokens, usage.completion_tokens)},
@@ -59,10 +61,10 @@ class ResponsesWriter:
 
     # -- stream framing --------------------------------------------------------------
 
-    def _event(self, name: str, **payload: Any) -> bytes:
-        data = {"type": name, "sequence_number": self._seq, **payload}
+    def _event(self, event_type: str, /, **payload: Any) -> bytes:
+        data = {"type": event_type, "sequence_number": self._seq, **payload}
         self._seq += 1
-        return encode_named_event(name, data)
+        return encode_named_event(event_type, data)
 
     def _snapshot(self) -> dict[str, Any]:
         return dict(self._response, output=list(self._response["output"]))
