@@ -216,6 +216,18 @@ async def test_bad_input_is_a_400_naming_the_field(client_and_engine, body, para
     assert info.value.status_code == 400
 
 
+async def test_tool_output_parts_and_images(client_and_engine):
+    client, engine, _ = client_and_engine
+    await client.responses.create(model=MODEL, tools=[READ_TOOL], input=[
+        {"role": "user", "content": "look"},
+        {"type": "function_call", "call_id": "c1", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "a.png:"},
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
+    assert ("<tool_response>\na.png:\n[image omitted: this model reads text only]\n"
+            "</tool_response>") in prompt_of(engine, 0)
+
+
 async def test_tampered_encrypted_content_is_refused(client_and_engine):
     client, _, _ = client_and_engine
     sealed = reasoning_seal.seal("I should call read.")

@@ -50,10 +50,29 @@ def _text(value: Any, path: str) -> str:
     raise AssertionError("unreachable")
 
 
+_OMITTED = "[{kind} omitted: this model reads text only]"
+
+
+def _output_part(value: Any, path: str) -> str:
+    """A tool output part: text as is; an image or file (Codex's ``view_image`` returns
+    one) becomes a note saying so, since refusing it would wedge the agent's session."""
+    kind = any_object(value, path).get("type")
+    if kind in ("input_image", "input_file", "input_audio"):
+        return _OMITTED.format(kind=kind.removeprefix("input_"))
+    return _part_text(value, path)
+
+
+def _output(value: Any, path: str) -> str:
+    if isinstance(value, list):
+        return "\n".join(array(_output_part)(value, path))
+    return _text(value, path)
+
+
 def _message(value: Any, path: str) -> dict[str, Any]:
     fields = json_object(value, path, {
         "type": one_of("message"), "role": one_of(*ROLES), "content": _text,
         "id": string, "status": string, "phase": _ANY,
+        "internal_chat_message_metadata_passthrough": _ANY,
     }, ("role", "content"))
     return {"role": fields["role"], "content": fields["content"]}
 
@@ -67,7 +86,7 @@ def _function_call(value: Any, path: str) -> dict[str, Any]:
 
 def _function_call_output(value: Any, path: str) -> dict[str, Any]:
     return json_object(value, path, {
-        "type": string, "call_id": string, "output": _text, "id": nullable(string),
+        "type": string, "call_id": string, "output": _output, "id": nullable(string),
         "status": nullable(string),
     }, ("type", "call_id", "output"))
 
