@@ -138,6 +138,22 @@ async def test_stream_events_validate_and_match_whole(client_and_engine):
         for b in whole["content"]]
 
 
+async def test_tool_result_images_become_a_note(client_and_engine):
+    client, engine, _ = client_and_engine
+    await client.messages.create(model=MODEL, max_tokens=5, tools=[READ_TOOL], messages=[
+        USER, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "image", "source": {
+                                          "type": "base64", "media_type": "image/png",
+                                          "data": "AAAA"}}]},
+                                     {"type": "text", "text": "What is in it?"}]}])
+    prompt = prompt_of(engine, 0)
+    assert "<tool_response>\n[image omitted: this model reads text only]\n" in prompt
+    # the result answers the call first, the user's text follows it
+    assert prompt.index("[image omitted") < prompt.index("What is in it?")
+
+
 async def test_stop_sequence_max_tokens_and_no_thinking(client_and_engine):
     client, engine, _ = client_and_engine
     engine.push("The answer", stop="###")

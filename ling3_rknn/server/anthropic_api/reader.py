@@ -73,6 +73,22 @@ def _texts(value: Any, path: str) -> str:
     raise AssertionError("unreachable")
 
 
+def _result_block(value: Any, path: str) -> str:
+    """A tool result block: text as is; an image or document (Claude Code's Read returns
+    one for an image file) becomes a note saying so, since refusing it would wedge the
+    agent's session."""
+    kind = any_object(value, path).get("type")
+    if kind in ("image", "document"):
+        return f"[{kind} omitted: this model reads text only]"
+    return _text_block(value, path)
+
+
+def _result_content(value: Any, path: str) -> str:
+    if isinstance(value, list):
+        return "\n".join(array(_result_block)(value, path))
+    return _texts(value, path)
+
+
 def _tool_name(value: Any, path: str) -> str:
     name = string(value, path)
     if not TOOL_NAME.match(name):
@@ -88,7 +104,7 @@ _BLOCKS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "tool_use": ({"type": string, "id": string, "name": _tool_name, "input": any_object,
                   "cache_control": _ANY, "caller": _ANY}, ("id", "name", "input")),
     "tool_result": ({"type": string, "tool_use_id": string,
-                     "content": nullable(_texts), "is_error": nullable(boolean),
+                     "content": nullable(_result_content), "is_error": nullable(boolean),
                      "cache_control": _ANY}, ("tool_use_id",)),
 }
 _ROLE_BLOCKS = {"user": ("text", "tool_result"), "system": ("text",),
