@@ -27,8 +27,9 @@ def error_body(error: ApiError) -> dict[str, Any]:
     status = status_of(error)
     message = error.message
     if error.code == "context_length_exceeded" and error.details:
+        # Exactly Anthropic's wording: Claude Code matches it (also anchored) to compact.
         message = (f"prompt is too long: {error.details['prompt_tokens']} tokens > "
-                   f"{error.details['max_context']} maximum. {message}")
+                   f"{error.details['max_context']} maximum")
     elif error.param and error.status == 400 and not message.startswith(error.param):
         message = f"{error.param}: {message}"
     kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
