@@ -37,12 +37,14 @@ needs_client_libraries = pytest.mark.skipif(
 )
 
 
-async def run_clients(engine: ScriptedEngine) -> tuple[dict[str, dict], list[str]]:
+async def run_clients(engine: ScriptedEngine, group: str = "chat"
+                      ) -> tuple[dict[str, dict], list[str]]:
     async with running_server(engine) as srv:
         process = await asyncio.create_subprocess_exec(
             NODE,
             str(CLIENTS / "agent_clients.mjs"),
             srv.v1,
+            group,
             cwd=CLIENTS,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -101,6 +103,32 @@ async def test_opencode_and_pi_client_libraries():
     pi_overflow = results["pi_context_overflow"]
     assert pi_overflow["stopReason"] == "error"
     assert pi_overflow["overflow"] is True
+
+
+@needs_client_libraries
+async def test_responses_and_messages_client_libraries():
+    """The AI SDK's default OpenAI provider (``@ai-sdk/openai``: the Responses API) and pi's
+    ``anthropic-messages`` provider against the other two routes."""
+    engine = ScriptedEngine()
+    engine.push(*ONE_CALL)  # aisdk_responses_tool_call
+    engine.push("I should", " greet.</think>Hel", "lo!")  # aisdk_responses_generate
+    engine.push(*TWO_CALLS, cached_tokens=5)  # pi_anthropic_tool_call
+    results, prompts = await run_clients(engine, "apis")
+
+    call = results["aisdk_responses_tool_call"]
+    assert call["errors"] == []
+    assert call["finishReason"] == "tool-calls"
+    assert call["reasoning"] == "Need the file."
+    assert call["calls"] == [{"name": "read", "input": {"path": "a.py", "limit": 20}}]
+    assert results["aisdk_responses_generate"] == {
+        "finishReason": "stop", "text": "Hello!", "reasoning": "I should greet."}
+
+    pi = results["pi_anthropic_tool_call"]
+    assert pi["stopReason"] == "toolUse", pi
+    assert pi["thinking"] == "Both files."
+    assert [c["arguments"] for c in pi["calls"]] == [{"path": "a.py"}, {"path": "b.py"}]
+    assert pi["cacheRead"] == 5
+    assert "You are pi." in prompts[2]
 
 
 # ---- the real CLIs: Codex CLI (Responses API) and Claude Code (Anthropic Messages API) --
