@@ -289,6 +289,8 @@ class Engine:
             try:
                 if not job.cancel.is_set():
                     self._runner.run(job)
+                else:  # its client left while it waited: cancelled all the same
+                    self._runner.count_cancelled()
             except BaseException as exc:  # keep the worker alive whatever happens
                 log.exception("engine: request failed unexpectedly")
                 job.emit(EngineFailure(f"internal error: {type(exc).__name__}: {exc}"))

@@ -218,8 +218,7 @@ class Runner:
             )
             decoded = self._decode(job, logits, depth)
         except Cancelled:
-            with self._counters.lock:
-                self._counters.cancelled += 1
+            self.count_cancelled()
             return
         except (EngineFailure, InvalidRequest) as exc:  # the latter: a grammar broke mid-way
             job.emit(exc)
@@ -235,6 +234,10 @@ class Runner:
         job.emit(decoded.finished)
         if remembered is not None:
             self._snapshot_turn(*remembered)
+
+    def count_cancelled(self) -> None:
+        with self._counters.lock:
+            self._counters.cancelled += 1
 
     def _resume(self, ids: list[int]) -> tuple[int, np.ndarray | None]:
         hit = self._cache.lookup(ids) if self._cache is not None else None
