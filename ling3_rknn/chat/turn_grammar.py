@@ -169,7 +169,8 @@ class TurnGrammar:
                 raise GrammarError("tokenizer", f"{marker} is not a token of this model")
             return str(int(token_id))
 
-        return GrammarText(_PLACEHOLDER.sub(token, template.lark), template.parts)
+        return GrammarText(_PLACEHOLDER.sub(token, template.lark), template.parts,
+                           template.bounds)
 
     @functools.cached_property
     def _template(self) -> GrammarText:

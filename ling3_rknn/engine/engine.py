@@ -44,6 +44,10 @@ from .snapshot_store import SnapshotStore, model_fingerprint
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 2 << 30  # 2 GiB: ~100 snapshots of the real model's ~20 MB state
+# Output tokens of a request that names no max_tokens (``serve --default-max-tokens``): at
+# ~20 tokens/s on the board, a runaway answer holds the single stream ~3.5 minutes instead
+# of the ~27 a 32K context would take (README, "Serving").
+DEFAULT_MAX_TOKENS = 4096
 
 
 class Engine:
@@ -66,7 +70,7 @@ class Engine:
         checkpoint_min_tokens: int = 64,
         snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
         eos_token_ids: Sequence[int] = (),
-        default_max_tokens: int | None = None,
+        default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ) -> None:
         if max_context < 2:
             raise ValueError("max_context must be at least 2")
