@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ling3_rknn.chat import ContentDelta, Finished, ReasoningDelta, ToolCallParsed, markers
-from ling3_rknn.engine import Engine, SamplingParams
+from ling3_rknn.engine import Engine
 from ling3_rknn.engine.call_guard import BanRows, MarkerBan
 from ling3_rknn.model import Model
 from ling3_rknn.server.completion import generation_request, render_prompt
