@@ -260,15 +260,19 @@ class Runner:
         The first boundary ends the system/tools header (shared by every conversation with
         the same tools); the last two start the final messages (an edited or regenerated
         last turn resumes there). Boundaries closer than ``checkpoint_min_tokens`` to the
-        resume point, to each other or to the end of the prompt are skipped."""
+        resume point, to each other or to the end of the prompt are skipped, except the
+        header's from the end: an agent's next session sends the same header with a new,
+        often short, question, and must find the header cached."""
         gap = self._options.checkpoint_min_tokens
         boundaries = [p + 1 for p, t in enumerate(ids[:-1]) if t == self._eos_id]
+        header = boundaries[0] if boundaries else None
         chosen: list[int] = []
         for p in sorted(set(boundaries[:1] + boundaries[-2:])):
             if p <= depth:
                 continue
             last = chosen[-1] if chosen else depth
-            if p - last >= gap and len(ids) - p >= gap and p not in chosen:
+            room = len(ids) - p >= gap or p == header
+            if p - last >= gap and room and p not in chosen:
                 chosen.append(p)
         return [*chosen, len(ids)]
 

@@ -13,7 +13,7 @@ Three layers of code, so the NPU work can be swapped in without touching the CPU
    recurrence, per-token and chunked), ``mla.py`` (RoPE + absorbed attention over the
    latent cache), ``moe.py`` (group-limited routing), ``state.py`` (per-sequence state and
    block-shared snapshots). A decode token's KDA step and MLA attention also exist as C
-   kernels (``kda_decode.c``, ``mla_decode.c``) that ``native.py`` builds on the machine
+   kernels (``kda_decode.c``, ``mla_attention.c``) that ``native.py`` builds on the machine
    and loads; the numpy functions stay the reference and the fallback.
 3. ``model.py``: the forward loop. It calls the stages through the ``StageBackend`` seam
    (``backend.py``: ``NumpyStages`` from a checkpoint; ``bundle_stages.GraphStages``, one
