@@ -193,6 +193,23 @@ async def test_a_request_without_max_tokens_gets_the_default_cap(tiny, tok):
         assert finished.usage.completion_tokens <= 9
 
 
+async def test_a_lazy_grammar_that_breaks_mid_call_leaves_the_turn_free(tiny, tok, caplog):
+    """A pattern that exceeds llguidance's limits while generating fails a forced request
+    (test_engine_constrained); under auto the rest of the turn goes on unconstrained."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string",
+                                               "pattern": "^([a-z]+\\d?){1,2000}$"}},
+        "required": ["x"]}}}
+    opener = Tempted(tiny, [tok.special_ids["<tool_call>"]], 8.0)  # opens, never closes
+    with Engine(opener, tok, model_id="tiny", max_context=2048) as calling:
+        for sampling in ({"temperature": 0}, {"temperature": 0.7, "seed": 1}):
+            finished, _, _ = await answer(calling, {
+                "messages": [{"role": "user", "content": "Go."}], "tools": [tool],
+                "max_tokens": 200, "reasoning_effort": "none", **sampling})
+            assert finished.finish_reason in ("stop", "length")
+    assert "the call grammar broke mid-call" in caplog.text  # the case was exercised
+
+
 def test_the_ban_is_one_cached_row(tok):
     rows = BanRows()
     ban = MarkerBan(rows, [tok.special_ids[m] for m in markers.CALL_MARKERS])

@@ -13,12 +13,16 @@ Two per-token constraints with ``TokenConstraint``'s interface (``mask``, ``adva
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 
 import numpy as np
 
+from .api import InvalidRequest
 from .grammar_constraint import TokenConstraint
+
+log = logging.getLogger(__name__)
 
 
 class BanRows:
@@ -62,24 +66,46 @@ class MarkerBan:
 
 class LazyCalls:
     """``ban`` until ``trigger`` is sampled, then ``grammar`` (compiled to start with the
-    trigger token, which it consumes first)."""
+    trigger token, which it consumes first). A grammar that breaks while generating (the
+    constraint library's limits, reached by what was sampled) leaves the rest of the turn
+    free, as it was before this guard, instead of failing a request "auto" used to serve."""
 
     def __init__(self, grammar: TokenConstraint, trigger: int, ban: MarkerBan) -> None:
         self._grammar = grammar
         self._trigger = trigger
         self._ban = ban
         self.triggered = False
+        self.broken = False
 
     @property
     def cut_by_bound(self) -> bool:
         return self._grammar.cut_by_bound
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
-        return self._grammar.mask(logits) if self.triggered else self._ban.mask(logits)
+        if not self.triggered:
+            return self._ban.mask(logits)
+        if self.broken:
+            return logits
+        try:
+            return self._grammar.mask(logits)
+        except InvalidRequest as exc:
+            self._break(exc)
+            return logits
 
     def advance(self, token_id: int) -> list[int]:
         if not self.triggered:
             if token_id != self._trigger:
                 return []
             self.triggered = True
-        return self._grammar.advance(token_id)
+        if self.broken:
+            return []
+        try:
+            return self._grammar.advance(token_id)
+        except InvalidRequest as exc:
+            self._break(exc)
+            return []
+
+    def _break(self, exc: InvalidRequest) -> None:
+        self.broken = True
+        log.warning("engine: the call grammar broke mid-call; the rest of the turn is free: "
+                    "%s", exc)
