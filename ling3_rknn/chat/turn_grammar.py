@@ -260,8 +260,9 @@ def string_bound(budget: int, unbounded: int) -> int:
 
 
 def _unbounded_string(schema: Any) -> bool:
-    """A parameter written as raw text with nothing that limits its length: a plain string
-    (or any value) with no ``maxLength``, ``enum``, ``const``, ``pattern`` or ``format``."""
+    """A parameter written as free raw text (``text``): a plain string (or any value) with
+    no ``maxLength``, ``enum``, ``const``, ``pattern``, ``format`` or ``minLength`` over 1
+    (those are lexemes of their own, left as they are)."""
     if schema is True:
         return True
     if not isinstance(schema, dict):
@@ -273,7 +274,9 @@ def _unbounded_string(schema: Any) -> bool:
         return False
     limiting = {"maxLength", "enum", "const", "pattern"} & set(schema)
     fmt = schema.get("format")
-    return not limiting and not (isinstance(fmt, str) and fmt in _FORMATS)
+    low = schema.get("minLength", 0)
+    long_minimum = isinstance(low, int | float) and not isinstance(low, bool) and low > 1
+    return not limiting and not long_minimum and not (isinstance(fmt, str) and fmt in _FORMATS)
 
 
 def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
