@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(commands)
     _add_bench(commands)
     _add_doctor(commands)
+    _add_warm(commands)
     return parser
 
 
@@ -189,6 +190,18 @@ def _add_bench(commands: Any) -> None:
                        help="CPU threads per compute pool (as serve --threads)")
     bench.add_argument("--quick", action="store_true",
                        help="128 and 466 prompt tokens only (a host run in well under a minute)")
+
+
+def _add_warm(commands: Any) -> None:
+    """``warm``: replay recorded requests so the prefix cache holds them (``ling3_rknn.warm``)."""
+    warm = commands.add_parser(
+        "warm", help="replay recorded chat requests against a running server (cache warm-up)")
+    warm.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                      help="chat-completions request bodies: one JSON object, or JSONL")
+    warm.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
+    warm.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                      help=f"the server's key (default: ${API_KEY_ENV})")
+    warm.add_argument("--model", help="send this model id instead of the recorded one")
 
 
 def _add_doctor(commands: Any) -> None:
@@ -327,6 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ling3_rknn.bench.command import run_bench
 
         return run_bench(args)
+    if args.command == "warm":
+        from ling3_rknn.warm import run_warm
+
+        return run_warm(args.url, args.files, args.api_key, args.model)
     if args.command == "convert":
         from convert.cli import run_convert
 

@@ -16,11 +16,13 @@ Three measurements, one run (ratios within a run are what count on a shared host
    shape and size, 16.6K tokens) through the engine as ``serve`` builds it: time to first
    token cold, then the next session's (same header, new question).
 
-``--glue compiled,numpy`` runs 2 and 3 once per glue (the numpy glue is the path before the
-compiled kernels), interleaved. Nothing asserts on time.
+``--glue compiled,absorbed,numpy`` runs 2 and 3 once per glue: as served (compiled kernels and
+the expanded MLA prefill form), the compiled kernels with the absorbed form only, and the numpy
+glue (the path before the kernels). Nothing asserts on time.
 
     .venv/bin/python tests/bench/bench_prefill_depth.py [--bundle DIR] [--threads N]
-        [--tokens 16384] [--band 1024] [--glue compiled,numpy] [--rounds 3] [--json OUT]
+        [--tokens 16384] [--band 1024] [--glue compiled,absorbed,numpy] [--rounds 3]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ from ling3_rknn.model import Model, mla, native
 from ling3_rknn.model import model as model_module
 
 CHUNK = 64
+# compiled: the kernels and the expanded prefill form (as served); absorbed: the kernels with
+# the expanded form off; numpy: no kernels (the glue before them)
+GLUES = ("compiled", "absorbed", "numpy")
 
 
 def _gflops(fn: Callable[[], Any], flop: float, rounds: int) -> float:
@@ -92,14 +97,15 @@ class _Timed:
     """Wraps the model module's glue functions with timers (as the bench's ComponentTimers
     wraps stages and experts), restored afterwards."""
 
-    NAMES: ClassVar[dict[str, str]] = {"mla": "mla_attention", "kda": "kda_core"}
+    NAMES: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("mla", "mla_attention"), ("mla", "expanded_attention"), ("kda", "kda_core"))
 
     def __init__(self) -> None:
-        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+        self.seconds = {key: 0.0 for key, _ in self.NAMES}
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> _Timed:
-        for key, name in self.NAMES.items():
+        for key, name in self.NAMES:
             fn = getattr(model_module, name)
             self._saved[name] = fn
 
@@ -117,7 +123,8 @@ class _Timed:
             setattr(model_module, name, fn)
 
 
-def band_curve(model: Model, tokens: int, band: int) -> list[dict[str, Any]]:
+def band_curve(model: Model, tokens: int, band: int, chunk: int = CHUNK
+               ) -> list[dict[str, Any]]:
     rng = np.random.default_rng(1)
     ids = rng.integers(2, model.config.vocab_size, size=tokens)
     state = model.new_state()
@@ -131,8 +138,8 @@ def band_curve(model: Model, tokens: int, band: int) -> list[dict[str, Any]]:
                 timers.reset()
                 glue.seconds = dict.fromkeys(glue.seconds, 0.0)
                 t0 = time.perf_counter()
-                for pos in range(start, min(start + band, tokens), CHUNK):
-                    model.forward(ids[pos:min(pos + CHUNK, start + band, tokens)], state,
+                for pos in range(start, min(start + band, tokens), chunk):
+                    model.forward(ids[pos:min(pos + chunk, start + band, tokens)], state,
                                   last_only=True)
                 seconds = time.perf_counter() - t0
                 n = min(band, tokens - start)
@@ -147,8 +154,22 @@ def band_curve(model: Model, tokens: int, band: int) -> list[dict[str, Any]]:
     return bands
 
 
-def agent_request(bundle: Path) -> dict[str, Any]:
+def report_curve(result: dict[str, Any], name: str, bands: list[dict[str, Any]],
+                 tokens: int) -> None:
+    total = sum(b["tokens"] for b in bands) / sum(b["tokens"] / b["tok_s"] for b in bands)
+    result[name] = {"bands": bands, "tok_s": total}
+    print(f"\n{name}: {tokens} tokens at {total:.0f} tok/s; last band / first "
+          f"{bands[-1]['tok_s'] / bands[0]['tok_s']:.2f}")
+    print("    band   tok/s   ms/token: stages / experts / mla / kda / rest")
+    for b in bands:
+        ms = b["ms_per_token"]
+        print(f"{b['from']:>8} {b['tok_s']:>7.0f}   " + " / ".join(
+            f"{ms[k]:.3f}" for k in ("npu_stages", "experts", "mla", "kda", "rest")))
+
+
+def agent_request(bundle: Path, scratch_bytes: int) -> dict[str, Any]:
     engine = engine_from_bundle(bundle, {}, default_model_id=DEMO_MODEL_ID, verify="size")
+    engine.model.prefill_scratch_bytes = scratch_bytes
     try:
         return asyncio.run(bench_measure.agent_first_request(
             engine, prompts.OPENCODE_FIRST_REQUEST_TOKENS))
@@ -162,7 +183,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--band", type=int, default=1024)
-    ap.add_argument("--glue", default="compiled,numpy")
+    ap.add_argument("--glue", default=",".join(GLUES))
+    ap.add_argument("--chunks", default=str(CHUNK),
+                    help="tokens per forward call, e.g. 64,256 (the engine's prefill piece)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-agent", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
@@ -178,22 +201,21 @@ def main() -> None:
               f" {row['sgemm_gflops']:>15.1f} {row['kernel_vs_sgemm']:>14.2f}")
     bundle = args.bundle or bundle_dir()
     model = Model.from_bundle(bundle, threads=policy.threads, verify="size")
+    default_scratch = model.prefill_scratch_bytes
     for glue in args.glue.split(","):
-        native.set_enabled(glue == "compiled")
+        if glue not in GLUES:
+            ap.error(f"--glue: {glue!r} is not one of {', '.join(GLUES)}")
+        native.set_enabled(glue != "numpy")
+        model.prefill_scratch_bytes = default_scratch if glue == "compiled" else 0
         try:
-            bands = band_curve(model, args.tokens, args.band)
-            agent = None if args.skip_agent else agent_request(bundle)
+            for chunk in (int(c) for c in args.chunks.split(",")):
+                bands = band_curve(model, args.tokens, args.band, chunk)
+                report_curve(result, f"{glue}@{chunk}", bands, args.tokens)
+            agent = None if args.skip_agent else agent_request(bundle,
+                                                              model.prefill_scratch_bytes)
         finally:
             native.set_enabled(True)
-        total = sum(b["tokens"] for b in bands) / sum(b["tokens"] / b["tok_s"] for b in bands)
-        result[glue] = {"bands": bands, "tok_s": total, "agent_first_request": agent}
-        print(f"\n{glue} glue: {args.tokens} tokens at {total:.0f} tok/s; last band / first "
-              f"{bands[-1]['tok_s'] / bands[0]['tok_s']:.2f}")
-        print("    band   tok/s   ms/token: stages / experts / mla / kda / rest")
-        for b in bands:
-            ms = b["ms_per_token"]
-            print(f"{b['from']:>8} {b['tok_s']:>7.0f}   " + " / ".join(
-                f"{ms[k]:.3f}" for k in ("npu_stages", "experts", "mla", "kda", "rest")))
+        result[glue] = {"agent_first_request": agent}
         if agent is not None:
             print(f"agent first request: {agent['prompt_tokens']} tokens, TTFT "
                   f"{agent['ttft_s']:.2f} s; next session {agent['next_session_ttft_s']:.2f} s "
