@@ -48,6 +48,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {value}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text) if text.isdigit() else -1
     if not 0 <= value <= 65535:
@@ -89,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME",
         help="another model id clients may send (repeatable)",
+    )
+    serve.add_argument(
+        "--default-max-tokens", type=_non_negative_int, metavar="N",
+        help="output tokens of a request that sends no max_tokens (default 4096; 0: up to "
+             "the context limit); a single-stream board is held by a runaway answer",
     )
     serve.add_argument(
         "--max-queue",
@@ -219,6 +234,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
         options["cache_dir"] = args.cache_dir
     if args.max_queue is not None:
         options["max_queue"] = args.max_queue
+    if args.default_max_tokens is not None:  # 0: no cap but the context
+        options["default_max_tokens"] = args.default_max_tokens or None
     return options
 
 

@@ -96,6 +96,11 @@ def test_engine_options_only_pass_what_was_given():
     argv = ["serve", "--demo", "--max-queue", "4", "--max-context", "512", "--model-id", "x"]
     options = cli._engine_options(cli.build_parser().parse_args(argv))
     assert options == {"max_queue": 4, "max_context": 512, "model_id": "x"}
+    for flag, cap in (("4096", 4096), ("0", None)):  # 0: no cap but the context
+        args = cli.build_parser().parse_args(["serve", "--default-max-tokens", flag])
+        assert cli._engine_options(args) == {"default_max_tokens": cap}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--default-max-tokens", "-1"])
 
 
 def test_no_model_flag_serves_the_embedded_demo(monkeypatch):

@@ -30,6 +30,7 @@ import numpy as np
 from ling3_rknn.chat.events import Finished, FinishReason, GenerationEvent, TextDelta, Usage
 
 from .api import EngineFailure, InvalidRequest, TurnParser
+from .call_guard import LazyCalls, MarkerBan
 from .grammar_constraint import TokenConstraint
 from .parsed_turn import ParsedTurn
 from .prefix_cache import PrefixCache
@@ -81,12 +82,13 @@ class Job:
 
     prompt: EncodedPrompt
     settings: SamplerSettings
-    max_tokens: int | None
+    max_tokens: int | None  # the answer's token budget (already clamped to the room)
     stops: tuple[str, ...]
     emit: Callable[[GenerationEvent | BaseException], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     parser: Callable[[], TurnParser] | None = None
-    constraint: TokenConstraint | None = None  # the grammar every token must continue
+    # the grammar every token must continue, or a marker ban (``call_guard``)
+    constraint: TokenConstraint | MarkerBan | LazyCalls | None = None
 
 
 @dataclass
@@ -377,7 +379,10 @@ class Runner:
         for event in turn.finish():
             job.emit(event)
         text = "".join(pieces)
-        finish: FinishReason = "length" if reason == "length" else "stop"
+        # A string value the budget's bound cut (docs/serving.md 9) is a truncated answer
+        # too, however the turn then ended.
+        cut = constraint is not None and constraint.cut_by_bound
+        finish: FinishReason = "length" if reason == "length" or cut else "stop"
         usage = Usage(len(ids), len(generated), depth, turn.reasoning_tokens)
         # Generated ids the model has not evaluated: the last one, or the tail of a batch of
         # grammar-forced ids the limit cut (never evaluated, so the end-of-turn feeds them).
