@@ -132,6 +132,10 @@ async def test_stream_events_validate_and_match_whole(client_and_engine):
             assert payload["delta"]["stop_reason"] == whole["stop_reason"]
             assert payload["usage"] == whole["usage"]
     assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"
+    start = json.loads(raw.split("\n\n")[0].split("\n")[1].removeprefix("data: "))
+    usage = whole["usage"]  # the admitted prompt, whole, until the final split
+    assert start["message"]["usage"]["input_tokens"] == (usage["input_tokens"]
+                                                         + usage["cache_read_input_tokens"])
     tool = blocks[1]
     tool["input"] = json.loads(tool.pop("partial_json"))
     assert [blocks[i] for i in sorted(blocks)] == [

@@ -26,7 +26,7 @@ class ChatWriter:
         self._chunks = ChunkFactory(self._id, model, request.include_usage) if stream else None
         self._message = MessageBuilder()
 
-    def opening(self) -> bytes:
+    def opening(self, prompt_tokens: int) -> bytes:
         assert self._chunks is not None
         return encode_event(self._chunks.role())
 

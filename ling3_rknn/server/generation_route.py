@@ -38,8 +38,10 @@ class WireWriter(Protocol):
     stream it returns the bytes to send (``b""``: nothing yet), and a whole answer is
     ``body()`` once the generation finished."""
 
-    def opening(self) -> bytes:
-        """What a stream sends right after its headers (role chunk, ``response.created``)."""
+    def opening(self, prompt_tokens: int) -> bytes:
+        """What a stream sends right after its headers (role chunk, ``response.created``);
+        ``prompt_tokens`` is the prompt's size as admitted (its cache hit is known only at
+        the end)."""
         ...
 
     def event(self, event: CompletionEvent) -> bytes:
@@ -182,7 +184,7 @@ async def _stream(request: web.Request, api: WireApi, completion: Completion,
         sse = SseWriter(response, config.keep_alive_s)
         sse.start_keep_alive()
         try:
-            await sse.write(writer.opening())
+            await sse.write(writer.opening(completion.prompt_tokens))
             async for event in _timed_events(completion, metrics, started):
                 if isinstance(event, Finished):
                     await sse.write(writer.finish(event))

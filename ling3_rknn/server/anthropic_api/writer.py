@@ -51,8 +51,12 @@ class MessagesWriter:
         self._block: dict[str, Any] | None = None  # the open thinking or text block
         self._parts: list[str] = []
 
-    def opening(self) -> bytes:
-        return (_event("message_start", {"message": dict(self._message, content=[])})
+    def opening(self, prompt_tokens: int) -> bytes:
+        # The prompt's size is known at admission, its cache hit only at the end: until
+        # message_delta all of it counts as input (the sum Anthropic's clients add up).
+        usage = dict(self._message["usage"], input_tokens=prompt_tokens)
+        return (_event("message_start", {"message": dict(self._message, content=[],
+                                                         usage=usage)})
                 + _event("ping", {}))
 
     def _open(self, block: dict[str, Any]) -> bytes:

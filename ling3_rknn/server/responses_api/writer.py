@@ -69,7 +69,7 @@ class ResponsesWriter:
     def _snapshot(self) -> dict[str, Any]:
         return dict(self._response, output=list(self._response["output"]))
 
-    def opening(self) -> bytes:
+    def opening(self, prompt_tokens: int) -> bytes:
         return (self._event("response.created", response=self._snapshot())
                 + self._event("response.in_progress", response=self._snapshot()))
 
