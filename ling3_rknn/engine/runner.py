@@ -30,6 +30,7 @@ import numpy as np
 from ling3_rknn.chat.events import Finished, FinishReason, GenerationEvent, TextDelta, Usage
 
 from .api import EngineFailure, InvalidRequest, TurnParser
+from .call_guard import LazyCalls, MarkerBan
 from .grammar_constraint import TokenConstraint
 from .parsed_turn import ParsedTurn
 from .prefix_cache import PrefixCache
@@ -81,12 +82,13 @@ class Job:
 
     prompt: EncodedPrompt
     settings: SamplerSettings
-    max_tokens: int | None
+    max_tokens: int | None  # the answer's token budget (already clamped to the room)
     stops: tuple[str, ...]
     emit: Callable[[GenerationEvent | BaseException], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     parser: Callable[[], TurnParser] | None = None
-    constraint: TokenConstraint | None = None  # the grammar every token must continue
+    # the grammar every token must continue, or a marker ban (``call_guard``)
+    constraint: TokenConstraint | MarkerBan | LazyCalls | None = None
 
 
 @dataclass
@@ -218,8 +220,7 @@ class Runner:
             )
             decoded = self._decode(job, logits, depth)
         except Cancelled:
-            with self._counters.lock:
-                self._counters.cancelled += 1
+            self.count_cancelled()
             return
         except (EngineFailure, InvalidRequest) as exc:  # the latter: a grammar broke mid-way
             job.emit(exc)
@@ -235,6 +236,10 @@ class Runner:
         job.emit(decoded.finished)
         if remembered is not None:
             self._snapshot_turn(*remembered)
+
+    def count_cancelled(self) -> None:
+        with self._counters.lock:
+            self._counters.cancelled += 1
 
     def _resume(self, ids: list[int]) -> tuple[int, np.ndarray | None]:
         hit = self._cache.lookup(ids) if self._cache is not None else None
@@ -374,12 +379,17 @@ class Runner:
         for event in turn.finish():
             job.emit(event)
         text = "".join(pieces)
-        finish: FinishReason = "length" if reason == "length" else "stop"
+        # A string value the budget's bound cut (docs/serving.md 9) is a truncated answer
+        # too, however the turn then ended.
+        cut = constraint is not None and constraint.cut_by_bound
+        finish: FinishReason = "length" if reason == "length" or cut else "stop"
         usage = Usage(len(ids), len(generated), depth, turn.reasoning_tokens)
         # Generated ids the model has not evaluated: the last one, or the tail of a batch of
         # grammar-forced ids the limit cut (never evaluated, so the end-of-turn feeds them).
         unevaluated = [t for t in generated[forwarded:] if t not in self._stop_ids]
-        return Decoded(reason, generated, unevaluated, turn, Finished(finish, usage, text))
+        matched = stopper.matched if reason == "stop_string" else None
+        return Decoded(reason, generated, unevaluated, turn,
+                       Finished(finish, usage, text, stop=matched))
 
     def _remember_turn(
         self, job: Job, decoded: Decoded

@@ -1,6 +1,7 @@
-"""The aiohttp application: middleware (request id, auth, OpenAI error bodies, access log,
-HTTP metrics) and routes. The chat route lives in ``chat_handler``, start-up and shutdown
-in ``lifecycle``.
+"""The aiohttp application: middleware (request id, auth, error bodies in each API's shape,
+access log, HTTP metrics) and routes. The generation routes (chat completions, Responses,
+Anthropic Messages) share one flow (``generation_route``); start-up and shutdown live in
+``lifecycle``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from ling3_rknn.engine.api import EngineProtocol
-from ling3_rknn.server import errors
+from ling3_rknn.server import anthropic_api, errors
 from ling3_rknn.server.chat_handler import chat_completions
 from ling3_rknn.server.errors import ApiError
 from ling3_rknn.server.lifecycle import (
@@ -27,6 +28,7 @@ from ling3_rknn.server.lifecycle import (
 )
 from ling3_rknn.server.metrics import CONTENT_TYPE, ServerMetrics
 from ling3_rknn.server.responses import models_body
+from ling3_rknn.server.responses_api import responses_route
 from ling3_rknn.server.state import (
     CONFIG,
     ENGINE,
@@ -51,14 +53,42 @@ def _request_id(request: web.Request) -> str:
 
 
 def _check_auth(request: web.Request, api_key: str | None) -> None:
+    """``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic
+    clients)."""
     if api_key is None or request.path in _OPEN_PATHS:
         return
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    ):
+    if scheme.lower() != "bearer":
+        token = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         raise errors.unauthorized()
+
+
+def _anthropic_client(request: web.Request) -> bool:
+    """Errors go out in the Anthropic shape on its routes and to every client that says it
+    speaks that API (the SDKs send ``anthropic-version`` on every request)."""
+    return (request.path.startswith(("/v1/messages", "/messages"))
+            or "anthropic-version" in request.headers)
+
+
+def _error_response(request: web.Request, error: ApiError, request_id: str) -> web.Response:
+    if _anthropic_client(request):
+        return anthropic_api.error_response(error, request_id)
+    return error.response(request_id)
+
+
+def _served_routes(app: web.Application) -> list[str]:
+    return sorted({f"{r.method} {r.resource.canonical}" for r in app.router.routes()
+                   if r.method != "HEAD" and r.resource is not None})
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
+    if exc.status == 404:
+        return errors.not_found(
+            f"Unknown route {request.method} {request.path}. This server serves: "
+            + ", ".join(_served_routes(request.app)) + ".", code="unknown_route")
+    return errors.from_http_exception(exc)
 
 
 def _route_label(request: web.Request) -> str:
@@ -69,7 +99,7 @@ def _route_label(request: web.Request) -> str:
 
 @web.middleware
 async def _envelope(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Request id, auth, OpenAI error bodies, access log and HTTP metrics for every route."""
+    """Request id, auth, error bodies, access log and HTTP metrics for every route."""
     request_id = _request_id(request)
     request[RID] = request_id
     started = time.monotonic()
@@ -79,12 +109,12 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
         _check_auth(request, request.app[CONFIG].api_key)
         response = await handler(request)
     except ApiError as exc:
-        response = exc.response(request_id)
+        response = _error_response(request, exc, request_id)
     except web.HTTPException as exc:
-        response = errors.from_http_exception(exc).response(request_id)
+        response = _error_response(request, _http_error(request, exc), request_id)
     except Exception:
         log.exception("request %s failed", request_id)
-        response = errors.internal(request_id).response(request_id)
+        response = _error_response(request, errors.internal(request_id), request_id)
     else:
         if not response.prepared:
             response.headers["X-Request-Id"] = request_id
@@ -149,6 +179,9 @@ def create_app(
     app[METRICS] = ServerMetrics(lambda: holder.engine.stats() if holder.engine else None)
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
+        app.router.add_post(f"{prefix}/responses", responses_route)
+        app.router.add_post(f"{prefix}/messages", anthropic_api.messages_route)
+        app.router.add_post(f"{prefix}/messages/count_tokens", anthropic_api.count_tokens)
         app.router.add_get(f"{prefix}/models", _models)
         app.router.add_get(f"{prefix}/models/{{model}}", _model)
     app.router.add_get("/health", _health)

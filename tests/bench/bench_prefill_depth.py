@@ -123,7 +123,8 @@ class _Timed:
             setattr(model_module, name, fn)
 
 
-def band_curve(model: Model, tokens: int, band: int) -> list[dict[str, Any]]:
+def band_curve(model: Model, tokens: int, band: int, chunk: int = CHUNK
+               ) -> list[dict[str, Any]]:
     rng = np.random.default_rng(1)
     ids = rng.integers(2, model.config.vocab_size, size=tokens)
     state = model.new_state()
@@ -137,8 +138,8 @@ def band_curve(model: Model, tokens: int, band: int) -> list[dict[str, Any]]:
                 timers.reset()
                 glue.seconds = dict.fromkeys(glue.seconds, 0.0)
                 t0 = time.perf_counter()
-                for pos in range(start, min(start + band, tokens), CHUNK):
-                    model.forward(ids[pos:min(pos + CHUNK, start + band, tokens)], state,
+                for pos in range(start, min(start + band, tokens), chunk):
+                    model.forward(ids[pos:min(pos + chunk, start + band, tokens)], state,
                                   last_only=True)
                 seconds = time.perf_counter() - t0
                 n = min(band, tokens - start)
@@ -151,6 +152,19 @@ def band_curve(model: Model, tokens: int, band: int) -> list[dict[str, Any]]:
         model.stages, model.experts = saved[1], saved[2]
         del model.forward  # the class's method again
     return bands
+
+
+def report_curve(result: dict[str, Any], name: str, bands: list[dict[str, Any]],
+                 tokens: int) -> None:
+    total = sum(b["tokens"] for b in bands) / sum(b["tokens"] / b["tok_s"] for b in bands)
+    result[name] = {"bands": bands, "tok_s": total}
+    print(f"\n{name}: {tokens} tokens at {total:.0f} tok/s; last band / first "
+          f"{bands[-1]['tok_s'] / bands[0]['tok_s']:.2f}")
+    print("    band   tok/s   ms/token: stages / experts / mla / kda / rest")
+    for b in bands:
+        ms = b["ms_per_token"]
+        print(f"{b['from']:>8} {b['tok_s']:>7.0f}   " + " / ".join(
+            f"{ms[k]:.3f}" for k in ("npu_stages", "experts", "mla", "kda", "rest")))
 
 
 def agent_request(bundle: Path, scratch_bytes: int) -> dict[str, Any]:
@@ -170,6 +184,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--band", type=int, default=1024)
     ap.add_argument("--glue", default=",".join(GLUES))
+    ap.add_argument("--chunks", default=str(CHUNK),
+                    help="tokens per forward call, e.g. 64,256 (the engine's prefill piece)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-agent", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
@@ -192,20 +208,14 @@ def main() -> None:
         native.set_enabled(glue != "numpy")
         model.prefill_scratch_bytes = default_scratch if glue == "compiled" else 0
         try:
-            bands = band_curve(model, args.tokens, args.band)
+            for chunk in (int(c) for c in args.chunks.split(",")):
+                bands = band_curve(model, args.tokens, args.band, chunk)
+                report_curve(result, f"{glue}@{chunk}", bands, args.tokens)
             agent = None if args.skip_agent else agent_request(bundle,
                                                               model.prefill_scratch_bytes)
         finally:
             native.set_enabled(True)
-        total = sum(b["tokens"] for b in bands) / sum(b["tokens"] / b["tok_s"] for b in bands)
-        result[glue] = {"bands": bands, "tok_s": total, "agent_first_request": agent}
-        print(f"\n{glue} glue: {args.tokens} tokens at {total:.0f} tok/s; last band / first "
-              f"{bands[-1]['tok_s'] / bands[0]['tok_s']:.2f}")
-        print("    band   tok/s   ms/token: stages / experts / mla / kda / rest")
-        for b in bands:
-            ms = b["ms_per_token"]
-            print(f"{b['from']:>8} {b['tok_s']:>7.0f}   " + " / ".join(
-                f"{ms[k]:.3f}" for k in ("npu_stages", "experts", "mla", "kda", "rest")))
+        result[glue] = {"agent_first_request": agent}
         if agent is not None:
             print(f"agent first request: {agent['prompt_tokens']} tokens, TTFT "
                   f"{agent['ttft_s']:.2f} s; next session {agent['next_session_ttft_s']:.2f} s "
