@@ -14,7 +14,8 @@ echo "machine: $(uname -m), python: $(python3 --version), gcc: $(gcc -dumpfullve
 
 # --- the board guide, section 2 (gcc is in the cached root filesystem already) ----------
 step "install: python3 -m venv .venv && .venv/bin/pip install 'ling3-rknn[board]'"
-rm -rf /opt/ling3-rknn /etc/ling3-rknn /var/lib/ling3-rknn
+# a fresh install every run, the kernels compiled again by this gcc
+rm -rf /opt/ling3-rknn /etc/ling3-rknn /var/lib/ling3-rknn /tmp/ling3-state
 mkdir -p /opt/ling3-rknn && cd /opt/ling3-rknn
 python3 -m venv .venv
 wheel="$(ls /src/dist/ling3_rknn-*.whl)"

@@ -32,6 +32,11 @@ mountpoint -q /proc/sys/fs/binfmt_misc || mount -t binfmt_misc binfmt_misc /proc
 grep -q '^flags: .*F' /proc/sys/fs/binfmt_misc/qemu-aarch64 || {
     echo "qemu-aarch64 is registered without the F flag: a chroot cannot find it" >&2; exit 2; }
 
+# One run at a time per cache: runs share the root filesystem (and its /opt/ling3-rknn).
+cache="${LING3_AARCH64_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ling3-rknn/aarch64-rootfs}"
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+flock -n 9 || { echo "waiting for another aarch64 tier run ($cache/.lock)"; flock 9; }
 root="$("$here/rootfs.sh")"
 echo "== root filesystem: $root ($((SECONDS - started)) s so far)"
 
@@ -74,7 +79,7 @@ mount --bind "$here/rk3588-cpuinfo" "$root/proc/cpuinfo"
 mount --rbind /dev "$root/dev"
 mount -t sysfs sysfs "$root/sys" 2>/dev/null || mount --rbind /sys "$root/sys"
 # Wheels downloaded once, outside the repository and outside the cached image.
-pip_cache="$(dirname "$root")/../aarch64-pip"
+pip_cache="$cache/../aarch64-pip"
 mkdir -p "$pip_cache" "$root/root/.cache/pip"
 mount --bind "$pip_cache" "$root/root/.cache/pip"
 
