@@ -217,6 +217,12 @@ def _add_doctor(commands: Any) -> None:
     doc.add_argument("--json", action="store_true", help="print a machine-readable report")
     doc.add_argument("--quick", action="store_true",
                      help="skip loading the graphs and timing them (the unit's ExecStartPre)")
+    doc.add_argument("--runs", type=_positive_int, metavar="N",
+                     help="timed calls per graph shape (default 10)")
+    doc.add_argument("--full", action="store_true",
+                     help="hash every bundle file now instead of trusting its check stamp")
+    doc.add_argument("--empty-rknn", type=Path, metavar="FILE",
+                     help="an .rknn of one Add over [1, 1, 8]: the fixed cost of an NPU call")
 
 
 def _is_loopback(host: str) -> bool:
