@@ -16,6 +16,8 @@ import pytest
 from conftest import ORACLE_DIR, ORACLE_FIXTURES
 
 from ling3_rknn.model import Model
+from ling3_rknn.model import model as model_module
+from ling3_rknn.model.kda import kda_decode
 from ling3_rknn.model.reference import ReferenceWeights, forward, greedy
 
 TOL = 1e-4
@@ -73,3 +75,35 @@ def test_fast_model_matches_reference_on_a_new_sequence(name):
     logits = np.concatenate(out)
     assert logits.dtype == np.float32
     assert float(np.abs(logits - expected).max()) < TOL
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_with_kda_heads_split_over_threads_matches_reference(split, monkeypatch):
+    """``Model.kda_decode_split`` (LING3_RKNN_KDA_DECODE_SPLIT) changes where a decode
+    token's KDA heads run, never the logits."""
+    pools = []
+
+    def spy(*args, pool=None, **kwargs):
+        pools.append(pool is not None)
+        return kda_decode(*args, pool=pool, **kwargs)
+
+    monkeypatch.setattr(model_module, "kda_decode", spy)
+    name = ORACLE_FIXTURES[0]
+    weights, ref = _fixture(name)
+    ids = ref["input_ids"][:60]
+    expected = forward(weights, ids)
+    model = Model.from_hf(ORACLE_DIR / name)
+    model.threads = 2  # a glue pool of one more thread, without re-pinning this process
+    model.kda_decode_split = split
+    state = model.new_state()
+    logits = [model.forward(ids[:20], state)]
+    logits += [model.forward(ids[i : i + 1], state) for i in range(20, len(ids))]
+    assert float(np.abs(np.concatenate(logits) - expected).max()) < TOL
+    assert pools and set(pools) == {split}  # every decode token took the path asked for
+
+
+def test_kda_decode_split_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LING3_RKNN_KDA_DECODE_SPLIT", "1")
+    assert Model.from_hf(ORACLE_DIR / ORACLE_FIXTURES[0]).kda_decode_split is True
+    monkeypatch.delenv("LING3_RKNN_KDA_DECODE_SPLIT")
+    assert Model.from_hf(ORACLE_DIR / ORACLE_FIXTURES[0]).kda_decode_split is False
