@@ -1,9 +1,10 @@
 # Two entry points (see README): `make serve` and `make test`. Each sets up what it needs.
+# `make check` is the fast loop for working on the code (README).
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: system-tools serve test lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval
+.PHONY: system-tools serve test check lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -23,6 +24,14 @@ lint: $(STAMP)
 
 test: lint rknn-env agent-clients system-tools
 	$(VENV)/bin/pytest $(ARGS)
+
+# The fast loop: ruff, the import contracts and every test that needs neither the
+# rknn-toolkit2 env, the npm clients, a Debian package nor the network (pyproject.toml's
+# markers); nothing is installed or fetched besides .venv.
+# ARGS=-n0 runs them in one process.
+CHECK_MARKERS := not simulator and not npm and not system and not network
+check: lint
+	$(VENV)/bin/pytest -n auto -m "$(CHECK_MARKERS)" $(ARGS)
 
 # Host-only tools: transformers 5.24.0 on the local CPU torch wheel, used to regenerate
 # the committed oracle fixtures and goldens (never needed by `make test`).

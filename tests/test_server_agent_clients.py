@@ -28,10 +28,13 @@ TWO_CALLS = [
     "\n<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>b.py</arg_value>\n</tool_call>",
 ]
 
-pytestmark = pytest.mark.skipif(
-    NODE is None or not (CLIENTS / "node_modules" / "ai").exists(),
-    reason="needs node and `make agent-clients` (npm ci in tests/server_clients)",
-)
+pytestmark = [
+    pytest.mark.npm,
+    pytest.mark.skipif(
+        NODE is None or not (CLIENTS / "node_modules" / "ai").exists(),
+        reason="needs node and `make agent-clients` (npm ci in tests/server_clients)",
+    ),
+]
 
 
 async def run_clients(engine: ScriptedEngine) -> tuple[dict[str, dict], list[str]]:
