@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import ORACLE_DIR, ORACLE_FIXTURES
 
-from ling3_rknn.model import Model
+from ling3_rknn.model import CheckpointError, Model
 from ling3_rknn.model import model as model_module
 from ling3_rknn.model.kda import kda_decode
 from ling3_rknn.model.reference import ReferenceWeights, forward, greedy
@@ -107,3 +107,9 @@ def test_kda_decode_split_is_read_from_the_environment(monkeypatch):
     assert Model.from_hf(ORACLE_DIR / ORACLE_FIXTURES[0]).kda_decode_split is True
     monkeypatch.delenv("LING3_RKNN_KDA_DECODE_SPLIT")
     assert Model.from_hf(ORACLE_DIR / ORACLE_FIXTURES[0]).kda_decode_split is False
+
+
+def test_a_missing_tensor_is_named():
+    weights, _ = _fixture(ORACLE_FIXTURES[0])
+    with pytest.raises(CheckpointError, match=r"'model\.nope' or 'model\.neither'"):
+        weights.get("model.nope", "model.neither")

@@ -3,10 +3,11 @@
 Everything the fast paths do (fused projections, absorbed and expanded MLA, the chunked and
 deferred KDA forms, compiled kernels, NPU stages) is an optimisation of exactly this. Here
 there is none of it: one function per layer kind over a whole sequence, the checkpoint's own
-tensor names, float64 throughout, nothing cached between calls. It is far too slow to serve
-and exists to be read and to hold the fast paths to: ``tests/test_model_reference.py`` pins
-it to transformers 5.24.0 (``modeling_bailing_hybrid.py``, through the committed oracle
-fixtures) and pins ``Model.from_hf`` to it on inputs transformers never saw.
+tensor names, float64 throughout, no state kept between calls (each starts at position 0).
+It is far too slow to serve and exists to be read and to hold the fast paths to:
+``tests/test_model_reference.py`` pins it to transformers 5.24.0
+(``modeling_bailing_hybrid.py``, through the committed oracle fixtures) and pins
+``Model.from_hf`` to it on inputs transformers never saw.
 
 Section numbers are those of docs/model.md, which states the same math in words.
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from .checkpoint import Checkpoint
+from .safetensors_file import CheckpointError
 
 # The L2 norm of KDA q and k and the MLA latent norms (q_a, kv_a) use fixed epsilons, not
 # the config's rms_norm_eps (docs/model.md 3).
@@ -57,7 +59,7 @@ class ReferenceWeights:
                 shape = self._checkpoint.shape(name)
                 self._read[name] = self._checkpoint.tensor(name, shape).astype(np.float64)
                 return self._read[name]
-        return self._checkpoint.tensor(names[0], ())  # raises "missing tensor <name>"
+        raise CheckpointError(f"missing tensor {' or '.join(map(repr, names))}")
 
 
 # --------------------------------------------------------------------------- elementwise
