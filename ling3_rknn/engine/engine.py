@@ -21,6 +21,7 @@ import numpy as np
 
 from ling3_rknn.chat import markers
 from ling3_rknn.chat.events import Admitted, Finished, GenerationEvent
+from ling3_rknn.tokenizer import TooManyTokens
 
 from .api import (
     ContextLengthExceeded,
@@ -176,6 +177,7 @@ class Engine:
         stops = tuple(request.stop)
         if any(not isinstance(s, str) for s in stops):
             raise InvalidRequest("stop must be strings")
+        self._refuse_on_length(request.prompt)
         with self._admission:
             if self._waiting >= self._max_queue:
                 raise EngineBusy(f"{self._waiting} requests are already waiting")
@@ -183,7 +185,11 @@ class Engine:
         admitted = True
         try:
             try:
-                prompt = await asyncio.to_thread(self._encoder.encode, list(request.prompt))
+                prompt = await asyncio.to_thread(
+                    self._encoder.encode, list(request.prompt), self.max_context - 1)
+            except TooManyTokens as exc:  # stopped early: the prompt cannot fit
+                raise ContextLengthExceeded(exc.at_least, self.max_context,
+                                            at_least=True) from None
             except (ValueError, TypeError, AttributeError) as exc:  # e.g. TokenizerError
                 raise InvalidRequest(f"the prompt cannot be encoded: {exc}") from exc
             if not prompt.ids:
@@ -225,6 +231,18 @@ class Engine:
                     return
         finally:
             job.cancel.set()  # no-op once finished; stops the worker within one token
+
+    def _refuse_on_length(self, prompt: Sequence[SegmentLike]) -> None:
+        """A prompt whose length alone proves it cannot fit is refused before any encoding
+        (a token is at most ``max_token_bytes`` long, so N characters are at least
+        N / max_token_bytes tokens): a 15 MB prompt costs a sum of lengths, not a minute
+        of BPE and gigabytes of ids."""
+        longest = getattr(self._tokenizer, "max_token_bytes", None)
+        if not longest:
+            return
+        floor = -(-sum(len(seg.text) for seg in prompt) // longest)
+        if floor >= self.max_context:
+            raise ContextLengthExceeded(floor, self.max_context, at_least=True)
 
     def encode_prompt(self, segments: Sequence[SegmentLike]) -> list[int]:
         """The ids the engine would evaluate for ``segments``, generated-id splices included

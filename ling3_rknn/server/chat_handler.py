@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from ling3_rknn.chat.events import ContentDelta, Finished, ReasoningDelta, ToolCallParsed
+from ling3_rknn.engine.api import EngineProtocol
 from ling3_rknn.server import errors
 from ling3_rknn.server.completion import Completion, CompletionEvent
 from ling3_rknn.server.errors import ApiError
@@ -27,8 +28,8 @@ from ling3_rknn.server.validate import parse_chat_request, require_object
 log = logging.getLogger("ling3_rknn.server")
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; anything else is a 400."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -36,20 +37,31 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     return require_object(body)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    app = request.app
-    if app[STATE].get("stopping"):  # a keep-alive connection during the drain
-        raise errors.shutdown()
-    engine = app[ENGINE].require()
-    chat_request = parse_chat_request(await _read_json(request))
-    if chat_request.model not in (engine.model_id, *app[CONFIG].model_aliases):
+def _prepare(raw: bytes, engine: EngineProtocol, models: tuple[str, ...],
+             request_id: str) -> Completion:
+    """Body to a ready Completion: parsing, validation, rendering and the grammar's text.
+    Their cost grows with what the client sent (a 16 MB body, 2,000 tools), so this runs
+    in a worker thread, never on the event loop every other client needs."""
+    chat_request = parse_chat_request(parse_json(raw))
+    if chat_request.model not in models:
         raise errors.not_found(
             f"The model '{chat_request.model}' does not exist; this server serves "
             f"'{engine.model_id}'.",
             "model_not_found",
             "model",
         )
-    completion = Completion(engine, chat_request, request[RID])
+    return Completion(engine, chat_request, request_id)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    if app[STATE].get("stopping"):  # a keep-alive connection during the drain
+        raise errors.shutdown()
+    engine = app[ENGINE].require()
+    raw = await request.read()
+    models = (engine.model_id, *app[CONFIG].model_aliases)
+    completion = await asyncio.to_thread(_prepare, raw, engine, models, request[RID])
+    chat_request = completion.request
     metrics = app[METRICS]
     task = asyncio.current_task()
     if app[STATE].get("stopping"):  # the drain began while the body was being read

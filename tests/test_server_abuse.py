@@ -1,0 +1,118 @@
+"""One careless client must not take the board down: black-box attacks over HTTP on the real
+server and engine (the demo bundle), each while another client measures ``/health``.
+
+Bounds are generous (seconds: the test host is shared and loaded); the attacks they guard
+against stalled every other client for 7 to 80 seconds before their fixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from server_harness import running_server
+
+from ling3_rknn.demo import load_demo_engine
+
+MODEL = "ling-3.0-tiny"
+# Another client's /health must answer within this while an attack runs (seconds: a loaded
+# 2-core host; the attacks stalled it for 7 s and more).
+HEALTH_BOUND_S = 2.5
+
+
+def rss_mb() -> float:
+    """This process's resident memory (the server runs in it)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+class HealthWatch:
+    """Polls /health from its own client while the block runs; ``worst`` is the slowest
+    answer seen (a stalled event loop shows here)."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.worst = 0.0
+        self.answers = 0
+
+    async def _poll(self, stop: asyncio.Event) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                started = time.monotonic()
+                async with session.get(self.base + "/health") as r:
+                    assert r.status == 200
+                self.worst = max(self.worst, time.monotonic() - started)
+                self.answers += 1
+                await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def health_watch(base: str) -> AsyncIterator[HealthWatch]:
+    watch = HealthWatch(base)
+    stop = asyncio.Event()
+    task = asyncio.create_task(watch._poll(stop))
+    await asyncio.sleep(0.1)
+    try:
+        yield watch
+    finally:
+        stop.set()
+        await task
+    assert watch.answers >= 1
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    engine = load_demo_engine(model_id=MODEL, max_context=4096)
+    yield engine
+    engine.close()
+
+
+async def post(session: aiohttp.ClientSession, url: str, payload: object) -> tuple[int, dict]:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload)
+    async with session.post(url, data=data,
+                            headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.json()
+
+
+# ---- 1: an oversize prompt ------------------------------------------------------------------
+
+
+async def test_oversize_prompt_is_refused_without_stalling_other_clients(demo_engine):
+    """6 MB of prompt (under the body limit): a 400 context_length_exceeded, while another
+    client's /health keeps answering and the memory stays bounded. Before the fix the prompt
+    was encoded whole holding the GIL (seconds of stall, gigabytes of ids)."""
+    prompt = "abcd " * 1_200_000
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    before = rss_mb()
+    async with (running_server(demo_engine) as srv, health_watch(srv.base) as watch,
+                aiohttp.ClientSession() as session):
+        results = await asyncio.gather(*(post(session, srv.v1 + "/chat/completions", body)
+                                         for _ in range(2)))
+    for status, answer in results:
+        assert status == 400
+        assert answer["error"]["code"] == "context_length_exceeded"
+        assert "maximum context length is 4096 tokens" in answer["error"]["message"]
+    assert watch.worst < HEALTH_BOUND_S, f"/health took {watch.worst:.1f} s during the attack"
+    grown = rss_mb() - before
+    assert grown < 300, f"RSS grew by {grown:.0f} MB"
+
+
+async def test_a_long_prompt_under_the_cheap_bound_stops_encoding_early(demo_engine):
+    """Past the length bound but still over the context: refused after a few pieces, and a
+    prompt that fits is still served with exactly the whole-string ids."""
+    async with running_server(demo_engine) as srv, aiohttp.ClientSession() as session:
+        longest = demo_engine._tokenizer.max_token_bytes
+        # Just under the cheap bound: only piecewise counting can refuse it.
+        text = ("abcd " * (4096 * longest // 5))[: 4096 * longest - 200]
+        status, answer = await post(session, srv.v1 + "/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+        assert "at least" in answer["error"]["message"]
