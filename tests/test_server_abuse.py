@@ -44,13 +44,17 @@ class HealthWatch:
         self.answers = 0
 
     async def _poll(self, stop: asyncio.Event) -> None:
+        # Latency from when the client meant to ask (every 50 ms): a stall that begins while
+        # it waits between requests counts too (the server shares this process).
         async with aiohttp.ClientSession() as session:
+            due = time.monotonic()
             while not stop.is_set():
-                started = time.monotonic()
                 async with session.get(self.base + "/health") as r:
                     assert r.status == 200
-                self.worst = max(self.worst, time.monotonic() - started)
+                done = time.monotonic()
+                self.worst = max(self.worst, done - due)
                 self.answers += 1
+                due = done + 0.05
                 await asyncio.sleep(0.05)
 
 
@@ -116,3 +120,39 @@ async def test_a_long_prompt_under_the_cheap_bound_stops_encoding_early(demo_eng
             "model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
         assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
         assert "at least" in answer["error"]["message"]
+
+
+# ---- 2: an exponential regex ----------------------------------------------------------------
+
+
+def _regex_tool(value: str, pattern: str) -> list[dict]:
+    return [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "required": ["x"], "properties": {
+            "x": {"type": "string", "enum": [value], "pattern": pattern}}}}}]
+
+
+@pytest.mark.parametrize(("value", "pattern", "choice"), [
+    # Python's re: ~8 s at 28 characters, doubling per character.
+    ("a" * 28 + "!", "^(a+)+$", {"tool_choice": "required"}),
+    # Also slow for the regex package: its timeout ends it.
+    ("a" * 38 + "!", "^(a|aa)+$", {"tool_choice": "required"}),
+    ("a" * 28 + "!", "^(a+)+$", {"parallel_tool_calls": False}),
+])
+async def test_a_catastrophic_pattern_against_an_enum_does_not_stall_the_server(
+        demo_engine, value, pattern, choice):
+    """The enum-vs-pattern check runs with a bounded matcher off the event loop: a forced
+    call is a 400 naming the parameter, a lenient tool of an auto turn gets free arguments,
+    and another client's /health answers meanwhile."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": _regex_tool(value, pattern), **choice}
+    before = rss_mb()
+    async with (running_server(demo_engine) as srv, health_watch(srv.base) as watch,
+                aiohttp.ClientSession() as session):
+        status, answer = await post(session, srv.v1 + "/chat/completions", body)
+    if "tool_choice" in choice:
+        assert status == 400, answer
+        assert answer["error"]["param"] == "tools[0].function.parameters.properties.x"
+    else:
+        assert status == 200, answer
+    assert watch.worst < HEALTH_BOUND_S, f"/health took {watch.worst:.1f} s during the attack"
+    assert rss_mb() - before < 200

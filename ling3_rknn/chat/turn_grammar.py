@@ -32,9 +32,12 @@ import dataclasses
 import functools
 import json
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import regex
 
 from . import markers
 from .tool_schema import json_types, resolve_ref
@@ -68,6 +71,11 @@ _FORMATS = {
     "ipv4": rf"(?:{_OCTET}\.){{3}}{_OCTET}",
     "email": r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+",
 }
+# Checking enum/const values against a client's ``pattern`` runs a backtracking matcher on
+# client text (``^(a|aa)+$`` doubles its cost per character): the ``regex`` package's
+# matcher with a timeout and the GIL released, within this budget per grammar, so no
+# schema can hold a thread (and through the GIL every other client) for long.
+_REGEX_BUDGET_S = 0.25
 # The arguments object inside each embedded parameter schema, so refs to "#..." resolve.
 _PARAMETERS_DEF = "ling3_parameters"
 
@@ -251,6 +259,7 @@ class _Builder:
         self._lenient = False
         self._rules: list[str] = []
         self._parts: dict[str, str] = {}
+        self._regex_deadline = time.monotonic() + _REGEX_BUDGET_S
 
     def build(self) -> GrammarText:
         spec = self._spec
@@ -419,7 +428,7 @@ class _Builder:
         lexeme = rule.upper()
         self._rules.append(f"{lexeme}: {' & '.join(pieces)}")
         self._parts[lexeme] = part
-        return lexeme, lo == 0 and fmt is None and _matches_empty(pattern)
+        return lexeme, lo == 0 and fmt is None and self._search(pattern, "", part, unreadable=False)
 
     def _string_choice(self, rule: str, schema: Mapping[str, Any], part: str, lo: int,
                        hi: int | None, pattern: str | None, fmt: str | None) -> tuple[str, bool]:
@@ -435,7 +444,7 @@ class _Builder:
         strings = [c for c in dict.fromkeys(c for c in choices if isinstance(c, str))
                    if lo <= len(c) and (hi is None or len(c) <= hi)
                    and not any(m in c for m in markers.CONTROL_MARKERS)
-                   and _python_search(pattern, c) and _python_search(fmt, c, full=True)]
+                   and self._search(pattern, c, part) and self._search(fmt, c, part, full=True)]
         if not strings:
             raise GrammarError(part, "no string value satisfies enum/const with the other "
                                      "keywords of this string parameter")
@@ -457,33 +466,32 @@ class _Builder:
 
     # -- helpers ---------------------------------------------------------------------
 
+    def _search(self, pattern: str | None, text: str, part: str, *, full: bool = False,
+                unreadable: bool = True) -> bool:
+        """Whether ``text`` satisfies ``pattern`` (the ``regex`` package reads the patterns
+        schemas use as ECMA does; one it cannot read answers ``unreadable``), within what is left
+        of this grammar's matching budget: past it the schema is refused (a 400 where the
+        client demands it, free arguments for a lenient tool)."""
+        if pattern is None:
+            return True
+        left = self._regex_deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            found = (regex.fullmatch if full else regex.search)(
+                pattern, text, timeout=left, concurrent=True)
+        except TimeoutError:
+            raise GrammarError(part, "pattern is too costly to check against the enum/const "
+                                     "values (catastrophic backtracking)") from None
+        except (regex.error, ValueError, TypeError, OverflowError):
+            return unreadable
+        return found is not None
+
     def _token(self, marker: str) -> str:
         return _MARKER_SLOT[marker]
 
     def _rule(self, name: str, body: str) -> None:
         self._rules.append(f"{name}: {body}")
-
-
-def _matches_empty(pattern: str | None) -> bool:
-    """Whether an empty value satisfies ``pattern`` (Python's dialect is close enough to
-    ECMA's for this one question; a pattern it cannot read admits no empty value)."""
-    if pattern is None:
-        return True
-    try:
-        return re.search(pattern, "") is not None
-    except re.error:
-        return False
-
-
-def _python_search(regex: str | None, text: str, *, full: bool = False) -> bool:
-    """Whether ``text`` satisfies ``regex`` as Python reads it (close to ECMA for the
-    patterns schemas use); a regex Python cannot read filters nothing."""
-    if regex is None:
-        return True
-    try:
-        return (re.fullmatch(regex, text) if full else re.search(regex, text)) is not None
-    except re.error:
-        return True
 
 
 def _length(schema: Mapping[str, Any], name: str, part: str, default: int | None) -> Any:
