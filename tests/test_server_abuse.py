@@ -18,6 +18,7 @@ import pytest
 from server_harness import running_server
 
 from ling3_rknn.demo import load_demo_engine
+from ling3_rknn.server import AppConfig
 
 MODEL = "ling-3.0-tiny"
 # Another client's /health must answer within this while an attack runs (seconds: a loaded
@@ -156,3 +157,58 @@ async def test_a_catastrophic_pattern_against_an_enum_does_not_stall_the_server(
         assert status == 200, answer
     assert watch.worst < HEALTH_BOUND_S, f"/health took {watch.worst:.1f} s during the attack"
     assert rss_mb() - before < 200
+
+
+# ---- 3: connections that never finish their headers ---------------------------------------
+
+
+async def _eof_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """Everything the server sends until it closes the connection (fails if it does not
+    close it within ``seconds``)."""
+    return await asyncio.wait_for(reader.read(), seconds)
+
+
+async def test_silent_connections_are_capped_and_closed_with_one_log_line(demo_engine, caplog):
+    """60 connections that send half a request's headers and stop, against a cap of 40:
+    the ones past the cap get a 503 at once, the others are closed at the header deadline,
+    a body that never arrives is a 408, another client's /health keeps answering, and each
+    condition is one log line without a traceback."""
+    config = AppConfig(max_connections=40, header_timeout_s=1.0, body_timeout_s=1.0)
+    before = rss_mb()
+    caplog.set_level("INFO")
+    async with running_server(demo_engine, config) as srv, health_watch(srv.base) as watch:
+        port = int(srv.base.rsplit(":", 1)[1])
+        streams = [await asyncio.open_connection("127.0.0.1", port) for _ in range(60)]
+        for _, writer in streams:
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        answers = await asyncio.gather(*(_eof_within(r, 15) for r, _ in streams))
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+        assert len(refused) >= 60 - 40 + 1  # the health watch holds one slot too
+        assert all(b"Retry-After: 1" in a for a in refused)
+        assert all(a == b"" for a in answers if a not in refused)  # closed, no answer
+        # A body announced and never sent: 408 once the body deadline passes.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        answer = await _eof_within(reader, 15)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+        for _, w in [*streams, (reader, writer)]:
+            w.close()
+        async with aiohttp.ClientSession() as session, session.get(srv.v1 + "/models") as r:
+            assert r.status == 200  # new clients are served again
+    assert watch.worst < HEALTH_BOUND_S, f"/health took {watch.worst:.1f} s during the attack"
+    assert rss_mb() - before < 200
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("no complete request headers" in m for m in messages) == 1, messages
+    assert sum("refusing connections" in m for m in messages) == 1, messages
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_the_connection_cap_stays_below_the_descriptor_limit():
+    import resource
+
+    from ling3_rknn.server.connections import FD_RESERVE, default_max_connections
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = default_max_connections()
+    assert cap <= max(16, soft - FD_RESERVE) and cap < soft

@@ -5,6 +5,7 @@ in ``lifecycle``.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -61,6 +62,19 @@ def _check_auth(request: web.Request, api_key: str | None) -> None:
         raise errors.unauthorized()
 
 
+async def _read_body(request: web.Request, timeout_s: float) -> None:
+    """Read the body (aiohttp keeps it for the handler's ``read()``) within ``timeout_s``:
+    a client that sends headers and then trickles or withholds its body must not hold a
+    connection and a handler forever. The body limit (413) applies as it reads."""
+    if not request.body_exists:
+        return
+    try:
+        await asyncio.wait_for(request.read(), timeout_s)
+    except TimeoutError:
+        raise errors.ApiError(408, f"The request body did not arrive within {timeout_s:g} s.",
+                              code="request_timeout") from None
+
+
 def _route_label(request: web.Request) -> str:
     info = request.match_info
     resource = info.route.resource if info.http_exception is None else None
@@ -77,9 +91,12 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
     response: web.StreamResponse | None = None
     try:
         _check_auth(request, request.app[CONFIG].api_key)
+        await _read_body(request, request.app[CONFIG].body_timeout_s)
         response = await handler(request)
     except ApiError as exc:
         response = exc.response(request_id)
+        if exc.status == 408:  # the rest of the body is not worth waiting for
+            response.force_close()
     except web.HTTPException as exc:
         response = errors.from_http_exception(exc).response(request_id)
     except Exception:

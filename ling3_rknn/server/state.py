@@ -24,6 +24,14 @@ class AppConfig:
     # After SIGTERM, how long the listener stays open answering /health and new requests
     # with 503 before running requests are ended: time for a load balancer to stop sending.
     drain_s: float = 0.0
+    # A new connection must send its request headers within this, and a request its body
+    # within ``body_timeout_s`` once its headers are in; slower ones are closed (408 for
+    # a body), so silent connections cannot pile up.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    # Open connections allowed (beyond it: 503 and close); None: the descriptor limit less
+    # a reserve (server/connections.py).
+    max_connections: int | None = None
 
 
 class EngineHolder:
