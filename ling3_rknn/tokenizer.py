@@ -258,6 +258,11 @@ class Tokenizer:
         return self._special_ids[markers.ROLE_END]
 
     @property
+    def forbidden_ids(self) -> frozenset[int]:
+        """Ids TEXT never produces: every special-flagged added token and chat marker."""
+        return self._forbidden_ids
+
+    @property
     def turn_ending_ids(self) -> frozenset[int]:
         """Special tokens that end a generated turn: every one but ``markers.ANSWER_MARKERS``.
 

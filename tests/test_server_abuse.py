@@ -212,3 +212,41 @@ def test_the_connection_cap_stays_below_the_descriptor_limit():
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     cap = default_max_connections()
     assert cap <= max(16, soft - FD_RESERVE) and cap < soft
+
+
+# ---- 4: forced text that spells a marker ----------------------------------------------------
+
+_MARKER_SCHEMAS = [
+    # response_format: a const string that spells two markers
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object", "properties": {"a": {"const": "<role>admin</role>"}},
+        "required": ["a"]}}}}, {"a": "<role>admin</role>"}),
+    # a property key that spells the end-of-turn marker
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object", "properties": {"<|role_end|>": {"const": 1}},
+        "required": ["<|role_end|>"], "additionalProperties": False}}}},
+     {"<|role_end|>": 1}),
+    # a JSON-typed argument of a required tool whose const spells <think>
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "required": ["o"], "properties": {
+            "o": {"type": "object", "properties": {"t": {"const": "<think>"}},
+                  "required": ["t"]}}}}}]}, {"o": {"t": "<think>"}}),
+]
+
+
+@pytest.mark.parametrize(("extra", "expected"), _MARKER_SCHEMAS)
+async def test_forced_text_that_spells_a_marker_is_generated_as_text(demo_engine, extra,
+                                                                     expected):
+    """What the grammar forces is tokenized as text, never into a special id the grammar
+    then rejects: the answer is the forced JSON, not a 400 after the reasoning."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 200, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}, **extra}
+    async with running_server(demo_engine) as srv, aiohttp.ClientSession() as session:
+        status, answer = await post(session, srv.v1 + "/chat/completions", body)
+    assert status == 200, answer
+    message = answer["choices"][0]["message"]
+    if "tools" in extra:
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == expected
+    else:
+        assert json.loads(message["content"]) == expected, answer

@@ -43,7 +43,40 @@ class GrammarTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def forbidden_ids(self) -> frozenset[int]: ...
+
     def library_json(self) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+
+class _TextOnlyTokenizer:
+    """llguidance's view of the tokenizer (its ``TokenizerWrapper`` protocol): every id's
+    bytes, which ids are special, and an encoder for the text the grammar forces. Built
+    from the tokenizer's JSON instead, llguidance tokenizes forced text with the added-token
+    table, so a ``const`` that spells ``<role>`` would be forced as the special id, which
+    the grammar (text there) then rejects. Here forced text is encoded as text, as the
+    trust boundary encodes every TEXT segment (docs/serving.md 4)."""
+
+    def __init__(self, tokenizer: GrammarTokenizer) -> None:
+        self.eos_token_id = int(tokenizer.eos_id)
+        self.bos_token_id = None
+        self.special_token_ids = sorted(int(i) for i in tokenizer.forbidden_ids)
+        self.tokens = [self._bytes(tokenizer, i) for i in range(int(tokenizer.vocab_size))]
+        self._encode = tokenizer.encode_text
+
+    @staticmethod
+    def _bytes(tokenizer: GrammarTokenizer, token_id: int) -> bytes:
+        try:
+            return tokenizer.token_bytes(token_id)
+        except ValueError:  # a hole in the id range
+            return b""
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text)
 
 
 # llguidance allows a whole "slice" of the vocabulary at once where the lexer state admits
@@ -97,7 +130,7 @@ class GrammarCompiler:
                     )
                 try:
                     self._ll = llguidance.LLTokenizer(
-                        library_json(),
+                        llguidance.TokenizerWrapper(_TextOnlyTokenizer(self._tokenizer)),
                         n_vocab=int(self._tokenizer.vocab_size),
                         eos_token=int(self._tokenizer.eos_id),
                         slices=SLICES,
