@@ -250,3 +250,79 @@ async def test_forced_text_that_spells_a_marker_is_generated_as_text(demo_engine
         assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == expected
     else:
         assert json.loads(message["content"]) == expected, answer
+
+
+# ---- 5: no 500 from client input ------------------------------------------------------------
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"n": schema}}
+    return schema
+
+
+def _tool(name: str, properties: dict, required: list[str] | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties, "required": required or []}}}
+
+
+_DEEP_ARGUMENTS = "[" * 5000 + "]" * 5000
+_CLIENT_ERRORS = [
+    # a tool parameter nested ~600 deep (RecursionError in the schema rewrite), forced...
+    ({"tools": [_tool("f", {"x": _nested_schema(300)}, ["x"])], "tool_choice": "required"},
+     "tools[0].function.parameters.properties.x"),
+    # ...and on a lenient tool of an auto turn
+    ({"tools": [_tool("get_weather", {"city": {"type": "string"}}),
+                _tool("other", {"x": _nested_schema(300)})], "parallel_tool_calls": False},
+     "tools[1].function.parameters.properties.x"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object", "x-guidance": "fast"}}}},
+     "response_format.json_schema.schema.x-guidance"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object", "x-guidance": ["a"]}}}},
+     "response_format.json_schema.schema.x-guidance"),
+    ({"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": _DEEP_ARGUMENTS}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+      "tools": [_tool("f", {})]},
+     "messages"),
+    ({"seed": -1}, "seed"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+]
+
+
+async def _metric(session: aiohttp.ClientSession, base: str, name: str) -> dict[str, float]:
+    async with session.get(base + "/metrics") as r:
+        text = await r.text()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+@pytest.mark.parametrize(("extra", "param"), _CLIENT_ERRORS)
+async def test_client_input_is_a_400_naming_the_field_never_a_500(demo_engine, extra, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            **extra}
+    async with running_server(demo_engine) as srv, aiohttp.ClientSession() as session:
+        npu_before = await _metric(session, srv.base, "ling3_npu_errors")
+        status, answer = await post(session, srv.v1 + "/chat/completions", body)
+        assert status == 400, answer
+        error = answer["error"]
+        assert (error["param"] or "").startswith(param), error
+        if param == "messages":
+            assert "messages[1].tool_calls[0].function.arguments" in error["message"]
+        # Counted as the client's error, not the device's; the model state is untouched.
+        errors = await _metric(session, srv.base, "ling3_request_errors_total")
+        assert errors.get('ling3_request_errors_total{kind="client"}') == 1.0, errors
+        assert 'ling3_request_errors_total{kind="device"}' not in errors
+        assert await _metric(session, srv.base, "ling3_npu_errors") == npu_before
+        status, _ = await post(session, srv.v1 + "/chat/completions",
+                               {"model": MODEL, "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200

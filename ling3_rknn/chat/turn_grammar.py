@@ -316,7 +316,7 @@ class _Builder:
             if name in self._spec.free_tools:
                 raise GrammarError(where, "the constraint library refused this schema")
             args = self._arguments(index, params, where)
-        except (GrammarError, TypeError, AttributeError) as exc:
+        except (GrammarError, TypeError, AttributeError, RecursionError) as exc:
             if not self._lenient:
                 if isinstance(exc, GrammarError):
                     raise
@@ -458,9 +458,15 @@ class _Builder:
     def _json(self, rule: str, schema: Any, part: str) -> str:
         if not isinstance(schema, dict):
             raise GrammarError(part, "must be a JSON-schema object")
-        style = {**_JSON_STYLE, **({"lenient": True} if self._lenient else {}),
-                 **(schema.get("x-guidance") or {})}
-        self._rule(rule, "%json " + json.dumps({**schema, "x-guidance": style}))
+        own = schema.get("x-guidance") or {}
+        if not isinstance(own, dict):
+            raise GrammarError(f"{part}.x-guidance", "must be an object of llguidance options")
+        style = {**_JSON_STYLE, **({"lenient": True} if self._lenient else {}), **own}
+        try:
+            text = json.dumps({**schema, "x-guidance": style})
+        except (RecursionError, ValueError) as exc:  # nested past the stack; a cycle
+            raise GrammarError(part, f"cannot be written as a schema ({exc})") from None
+        self._rule(rule, "%json " + text)
         self._parts[rule] = part
         return rule
 

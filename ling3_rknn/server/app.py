@@ -95,12 +95,16 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
         response = await handler(request)
     except ApiError as exc:
         response = exc.response(request_id)
+        metrics.errors.labels(errors.error_kind(exc)).inc()
         if exc.status == 408:  # the rest of the body is not worth waiting for
             response.force_close()
     except web.HTTPException as exc:
-        response = errors.from_http_exception(exc).response(request_id)
+        error = errors.from_http_exception(exc)
+        metrics.errors.labels(errors.error_kind(error)).inc()
+        response = error.response(request_id)
     except Exception:
         log.exception("request %s failed", request_id)
+        metrics.errors.labels("internal").inc()
         response = errors.internal(request_id).response(request_id)
     else:
         if not response.prepared:

@@ -37,6 +37,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return require_object(body)
 
 
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    return parse_json(await request.read())
+
+
 def _prepare(raw: bytes, engine: EngineProtocol, models: tuple[str, ...],
              request_id: str) -> Completion:
     """Body to a ready Completion: parsing, validation, rendering and the grammar's text.
@@ -148,20 +152,21 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             await writer.send(chunks.role())
             await _stream_events(request, writer, chunks, completion, first, started)
         except ApiError as exc:
-            await _send_error(writer, exc, request[RID])
+            await _send_error(writer, exc, request[RID], metrics)
         except asyncio.CancelledError:
             if not app[STATE].get("stopping"):
                 raise
             # Our own shutdown cancelled the generation: tell the client and end the stream
             # cleanly instead of cutting the connection.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_send_error(writer, errors.shutdown(), request[RID]), 1.0)
+                await asyncio.wait_for(
+                    _send_error(writer, errors.shutdown(), request[RID], metrics), 1.0)
         except ConnectionError:
             metrics.disconnects.inc()
             return response
         except Exception:
             log.exception("stream %s failed", request[RID])
-            await _send_error(writer, errors.internal(request[RID]), request[RID])
+            await _send_error(writer, errors.internal(request[RID]), request[RID], metrics)
         finally:
             await writer.stop_keep_alive()
         with contextlib.suppress(ConnectionError):
@@ -174,12 +179,15 @@ async def _stream(request: web.Request, completion: Completion, model: str) -> w
             await first  # always retrieved, so no "exception was never retrieved" at exit
 
 
-async def _send_error(writer: SseWriter, error: ApiError, request_id: str) -> None:
+async def _send_error(writer: SseWriter, error: ApiError, request_id: str,
+                      metrics: ServerMetrics | None = None) -> None:
     """Errors after the headers went out are an ``error`` event (docs/serving.md 6.5);
     a client that is already gone does not need one. The access log says 200 for such a
     stream, so the error is logged here."""
     log.warning("%s stream ended with error %d %s: %s", request_id, error.status,
                 error.code or error.type, error.message)
+    if metrics is not None:
+        metrics.errors.labels(errors.error_kind(error)).inc()
     with contextlib.suppress(ConnectionError):
         await writer.send(error.body())
 

@@ -112,6 +112,14 @@ class ServerMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.errors = Counter(
+            f"{PREFIX}_request_errors",
+            "Error answers (HTTP errors and errors ending a stream) by kind: client (the "
+            "request was invalid), device (the model or NPU failed), unavailable (busy, "
+            "loading, shutting down) or internal.",
+            ["kind"],
+            registry=self.registry,
+        )
         self.disconnects = Counter(
             f"{PREFIX}_client_disconnects",
             "Generations cancelled because the client went away.",
