@@ -326,3 +326,20 @@ async def test_client_input_is_a_400_naming_the_field_never_a_500(demo_engine, e
                                {"model": MODEL, "max_tokens": 2,
                                 "messages": [{"role": "user", "content": "hi"}]})
         assert status == 200
+
+
+# ---- 6: lenient tools whose error names no grammar line ------------------------------------
+
+
+async def test_a_lenient_tool_the_library_refuses_without_a_line_still_serves(demo_engine):
+    """A pattern past llguidance's lexer limits fails the compile with no grammar line; the
+    other tool of an auto turn stays callable and the request is served (docs/serving.md 9),
+    as it is without parallel_tool_calls: false."""
+    weather = _tool("get_weather", {"city": {"type": "string"}}, ["city"])
+    other = _tool("other", {"x": {"type": "string", "pattern": "^a{100000}$"}}, ["x"])
+    async with running_server(demo_engine) as srv, aiohttp.ClientSession() as session:
+        for extra in ({}, {"parallel_tool_calls": False}):
+            status, answer = await post(session, srv.v1 + "/chat/completions", {
+                "model": MODEL, "max_tokens": 8, "tools": [weather, other], **extra,
+                "messages": [{"role": "user", "content": "What is the weather in Lisbon?"}]})
+            assert status == 200, (extra, answer)

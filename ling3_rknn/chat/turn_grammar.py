@@ -121,8 +121,17 @@ class TurnGrammar:
 
     def relaxed(self, part: str | None) -> TurnGrammar | None:
         """This grammar with free arguments for the tool ``part`` names, when that tool's
-        schema is not the client's demand (docs/serving.md 9); else None (a 400)."""
-        match = re.match(r"tools\[(\d+)\]", part or "")
+        schema is not the client's demand (docs/serving.md 9); else None (a 400). An error
+        that names no part (llguidance's lexer size or fuel limits report no grammar line)
+        relaxes every such tool at once: the request is served as it would be unconstrained,
+        and if the error stays, it is the client's demand that fails."""
+        if part is None:
+            strict = _strict_tools(self)
+            lenient = {_function(t).get("name") for t in self.tools} - strict - self.free_tools
+            if not lenient:
+                return None
+            return dataclasses.replace(self, free_tools=self.free_tools | lenient)
+        match = re.match(r"tools\[(\d+)\]", part)
         if match is None or int(match.group(1)) >= len(self.tools):
             return None
         name = _function(self.tools[int(match.group(1))]).get("name")
