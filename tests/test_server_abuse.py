@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import signal
 import time
 from collections.abc import AsyncIterator
 
@@ -343,3 +345,55 @@ async def test_a_lenient_tool_the_library_refuses_without_a_line_still_serves(de
                 "model": MODEL, "max_tokens": 8, "tools": [weather, other], **extra,
                 "messages": [{"role": "user", "content": "What is the weather in Lisbon?"}]})
             assert status == 200, (extra, answer)
+
+
+# ---- 7: SIGTERM with keep-alive connections open -------------------------------------------
+
+
+async def _read_response(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP response with a Content-Length body (what the server sends here)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(re.search(rb"Content-Length: (\d+)", head, re.I).group(1))
+    return head + await reader.readexactly(length)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05])
+async def test_sigterm_answers_requests_on_open_keep_alive_connections(delay_s):
+    """`serve` with the default --drain-seconds 0: requests sent on already-open keep-alive
+    connections just after SIGTERM get a 503 with Retry-After or a closed connection at
+    once, never silence, and the process exits promptly."""
+    from test_server_e2e import _start_cli, _wait_for_port, _wait_until_ready
+
+    process = _start_cli("--port", "0")
+    try:
+        port = await asyncio.to_thread(_wait_for_port, process)
+        async with aiohttp.ClientSession() as session:
+            await _wait_until_ready(session, f"http://127.0.0.1:{port}")
+        connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        body = json.dumps({"model": "ling-3.0-tiny-demo", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: "
+                   + str(len(body)).encode() + b"\r\n\r\n" + body)
+        for reader, writer in connections:  # each one used once: an idle keep-alive
+            writer.write(request)
+            assert (await _read_response(reader)).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(delay_s)
+        for _, writer in connections:
+            writer.write(request)
+        for reader, _ in connections:
+            try:
+                answer = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 503"), answer[:100]
+            if answer:
+                assert b"Retry-After:" in answer
+        assert await asyncio.to_thread(process.wait, 10) == 0
+        assert time.monotonic() - started < 5, "shutdown waited on idle connections"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
