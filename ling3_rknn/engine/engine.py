@@ -307,6 +307,9 @@ class Engine:
             try:
                 if not job.cancel.is_set():
                     self._runner.run(job)
+                else:  # its consumer left while it was queued: cancelled all the same
+                    with self._counters.lock:
+                        self._counters.cancelled += 1
             except BaseException as exc:  # keep the worker alive whatever happens
                 log.exception("engine: request failed unexpectedly")
                 job.emit(EngineFailure(f"internal error: {type(exc).__name__}: {exc}"))
