@@ -397,3 +397,81 @@ async def test_sigterm_answers_requests_on_open_keep_alive_connections(delay_s):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# ---- 8: Host and Origin on a keyless server ------------------------------------------------
+
+
+async def _raw_post(port: int, headers: dict[str, str], body: bytes) -> bytes:
+    """A POST with exactly these headers (a browser's, or DNS rebinding's Host)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\n{head}Content-Length: {len(body)}\r\n"
+                 "Connection: close\r\n\r\n".encode() + body)
+    answer = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    return answer
+
+
+@pytest.mark.parametrize(("headers", "allowed", "status"), [
+    # a web page's simple (no preflight) cross-origin POST, after DNS rebinding
+    ({"Host": "evil.example", "Origin": "http://evil.example"}, {}, 403),
+    ({"Host": "evil.example"}, {}, 403),
+    ({"Host": "127.0.0.1", "Origin": "http://evil.example"}, {}, 403),
+    ({"Host": "127.0.0.1", "Origin": "null"}, {}, 403),
+    # local clients: SDKs and curl send no Origin; a local web UI sends a loopback one
+    ({"Host": "127.0.0.1:8080"}, {}, 200),
+    ({"Host": "localhost:8080", "Origin": "http://localhost:3000"}, {}, 200),
+    ({"Host": "[::1]:8080"}, {}, 200),
+    # the allow-lists
+    ({"Host": "board.lan:8080", "Origin": "http://ui.lan"},
+     {"allowed_hosts": ("board.lan",), "allowed_origins": ("http://ui.lan",)}, 200),
+    ({"Host": "127.0.0.1", "Origin": "http://anything.example"},
+     {"allowed_origins": ("*",)}, 200),
+])
+async def test_a_keyless_server_refuses_foreign_host_and_origin(demo_engine, headers, allowed,
+                                                                status):
+    body = json.dumps({"model": MODEL, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    async with running_server(demo_engine, AppConfig(**allowed)) as srv:
+        port = int(srv.base.rsplit(":", 1)[1])
+        answer = await _raw_post(port, {**headers, "Content-Type": "text/plain"}, body)
+    assert answer.startswith(f"HTTP/1.1 {status}".encode()), answer[:200]
+    if status == 403:
+        assert b'"code": "forbidden_' in answer
+
+
+async def test_a_keyed_server_leaves_host_and_origin_to_the_key(demo_engine):
+    body = json.dumps({"model": MODEL, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    async with running_server(demo_engine, AppConfig(api_key="k")) as srv:
+        port = int(srv.base.rsplit(":", 1)[1])
+        answer = await _raw_post(port, {"Host": "board.lan", "Origin": "http://ui.lan",
+                                        "Authorization": "Bearer k"}, body)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+# ---- 9: an empty API key ---------------------------------------------------------------------
+
+
+def test_an_empty_api_key_is_refused_and_help_prefers_the_variable():
+    """`serve --api-key ''` would let an empty Bearer token through: refused at start (exit
+    2, before loading anything); --help says to prefer the environment variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LING3_RKNN_API_KEY"}
+    for key in ("", "   "):
+        done = subprocess.run([sys.executable, "-m", "ling3_rknn.cli", "serve", "--port", "0",
+                               "--api-key", key], capture_output=True, text=True, timeout=60,
+                              env=env)
+        assert done.returncode == 2, done.stderr
+        assert "--api-key is empty" in done.stderr
+    shown = subprocess.run([sys.executable, "-m", "ling3_rknn.cli", "serve", "--help"],
+                           capture_output=True, text=True, timeout=60, env=env).stdout
+    assert "Prefer the variable" in " ".join(shown.split())
+    with pytest.raises(ValueError):
+        from ling3_rknn.server import EngineHolder, create_app
+
+        create_app(EngineHolder(), AppConfig(api_key=""))

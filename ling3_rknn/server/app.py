@@ -27,6 +27,7 @@ from ling3_rknn.server.lifecycle import (
     serving,
 )
 from ling3_rknn.server.metrics import CONTENT_TYPE, ServerMetrics
+from ling3_rknn.server.origin import check_host_and_origin
 from ling3_rknn.server.responses import models_body
 from ling3_rknn.server.state import (
     CONFIG,
@@ -90,8 +91,12 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
     metrics = request.app[METRICS]
     response: web.StreamResponse | None = None
     try:
-        _check_auth(request, request.app[CONFIG].api_key)
-        await _read_body(request, request.app[CONFIG].body_timeout_s)
+        config = request.app[CONFIG]
+        if config.api_key is None:
+            check_host_and_origin(request.headers.get("Host"), request.headers.get("Origin"),
+                                  config.allowed_hosts, config.allowed_origins)
+        _check_auth(request, config.api_key)
+        await _read_body(request, config.body_timeout_s)
         response = await handler(request)
     except ApiError as exc:
         response = exc.response(request_id)
@@ -162,6 +167,8 @@ def create_app(
 ) -> web.Application:
     """The aiohttp application. ``loader`` (run in a thread at start-up) fills ``holder``."""
     config = config or AppConfig()
+    if config.api_key is not None and not config.api_key.strip():
+        raise ValueError("api_key must not be empty: an empty Bearer token would pass")
     app = web.Application(middlewares=[_envelope], client_max_size=config.max_body_bytes)
     app[ENGINE] = holder
     app[CONFIG] = config

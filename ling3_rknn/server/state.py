@@ -32,6 +32,12 @@ class AppConfig:
     # Open connections allowed (beyond it: 503 and close); None: the descriptor limit less
     # a reserve (server/connections.py).
     max_connections: int | None = None
+    # Without an API key any web page the user opens could drive a loopback server (and,
+    # by DNS rebinding, read its answers): a keyless server answers only requests whose
+    # Host is a loopback name or one of ``allowed_hosts``, and whose Origin, when a browser
+    # sends one, is a loopback origin or one of ``allowed_origins`` ("*": any).
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
 
 class EngineHolder:
