@@ -475,3 +475,33 @@ def test_an_empty_api_key_is_refused_and_help_prefers_the_variable():
         from ling3_rknn.server import EngineHolder, create_app
 
         create_app(EngineHolder(), AppConfig(api_key=""))
+
+
+# ---- 10: the compiled-grammar cache in bytes ------------------------------------------------
+
+
+async def test_compiled_grammars_are_bounded_in_bytes_and_reported():
+    """Distinct large response schemas, one after another: the compiled grammars kept stay
+    within the engine's grammar budget, and /metrics reports what they hold."""
+    budget = 4 << 20
+    engine = load_demo_engine(model_id=MODEL, max_context=4096, grammar_cache_bytes=budget)
+    try:
+        before = rss_mb()
+        async with running_server(engine) as srv, aiohttp.ClientSession() as session:
+            for i in range(6):
+                schema = {"type": "object", "additionalProperties": False, "properties": {
+                    f"p{i}_{j}": {"type": "integer"} for j in range(400)}}
+                status, answer = await post(session, srv.v1 + "/chat/completions", {
+                    "model": MODEL, "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "chat_template_kwargs": {"enable_thinking": False},
+                    "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "r", "schema": schema}}})
+                assert status == 200, answer
+            held = await _metric(session, srv.base, "ling3_grammar_cache_bytes")
+            entries = await _metric(session, srv.base, "ling3_grammar_cache_entries")
+        assert 0 < held["ling3_grammar_cache_bytes"] <= budget
+        assert 1 <= entries["ling3_grammar_cache_entries"] < 6
+        assert rss_mb() - before < 300
+    finally:
+        engine.close()

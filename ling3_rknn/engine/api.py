@@ -146,6 +146,8 @@ class EngineStats:
     cache_entries: int = 0  # snapshots indexed (in memory or on disk)
     cache_disk_bytes: int = 0
     cancelled: int = 0  # requests whose consumer went away before the end
+    grammar_cache_bytes: int = 0  # compiled grammars kept (engine/grammar_constraint.py)
+    grammar_cache_entries: int = 0
 
 
 class EngineProtocol(Protocol):

@@ -34,7 +34,7 @@ from .api import (
     SamplingParams,
     SegmentLike,
 )
-from .grammar_constraint import GrammarCompiler
+from .grammar_constraint import DEFAULT_GRAMMAR_CACHE_BYTES, GrammarCompiler
 from .prefix_cache import PrefixCache
 from .prompt_encoder import PromptEncoder
 from .runner import Counters, Job, ModelLike, Runner, RunnerOptions, TokenizerLike
@@ -66,6 +66,7 @@ class Engine:
         checkpoint_min_tokens: int = 64,
         snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
         eos_token_ids: Sequence[int] = (),
+        grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
     ) -> None:
         if max_context < 2:
             raise ValueError("max_context must be at least 2")
@@ -86,7 +87,7 @@ class Engine:
             for path, note in self._cache.notes():
                 self._encoder.restore_note(note, path)
         self._counters = Counters()
-        self._grammars = GrammarCompiler(tokenizer)
+        self._grammars = GrammarCompiler(tokenizer, cache_bytes=grammar_cache_bytes)
         self._grammars.prepare()
         self._runner = Runner(
             model,
@@ -166,6 +167,8 @@ class Engine:
                 cache_entries=cache.entries if cache else 0,
                 cache_disk_bytes=cache.disk_bytes if cache else 0,
                 cancelled=c.cancelled,
+                grammar_cache_bytes=self._grammars.bytes_held,
+                grammar_cache_entries=self._grammars.entries,
             )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:

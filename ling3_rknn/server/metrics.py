@@ -74,6 +74,12 @@ class _EngineCollector(Collector):
             "prefix_cache_disk_bytes": (stats.cache_disk_bytes, "Bytes of snapshots on disk."),
             "prefix_cache_entries": (stats.cache_entries, "Snapshots indexed (memory or disk)."),
             "queue_depth": (stats.queue_depth, "Generations waiting for the model."),
+            "grammar_cache_bytes": (
+                stats.grammar_cache_bytes,
+                "Memory counted for compiled grammars kept for reuse (an estimate from their "
+                "size; bounded by the engine's grammar cache budget).",
+            ),
+            "grammar_cache_entries": (stats.grammar_cache_entries, "Compiled grammars kept."),
         }
         for name, (value, doc) in gauges.items():
             family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
