@@ -92,7 +92,9 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
     response: web.StreamResponse | None = None
     try:
         config = request.app[CONFIG]
-        if config.api_key is None:
+        # /health says only whether the model is up: open like it is to the key (HAProxy's
+        # checks send their own Host).
+        if config.api_key is None and request.path not in _OPEN_PATHS:
             check_host_and_origin(request.headers.get("Host"), request.headers.get("Origin"),
                                   config.allowed_hosts, config.allowed_origins)
         _check_auth(request, config.api_key)
