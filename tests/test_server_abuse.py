@@ -175,7 +175,8 @@ async def test_silent_connections_are_capped_and_closed_with_one_log_line(demo_e
     the ones past the cap get a 503 at once, the others are closed at the header deadline,
     a body that never arrives is a 408, another client's /health keeps answering, and each
     condition is one log line without a traceback."""
-    config = AppConfig(max_connections=40, header_timeout_s=1.0, body_timeout_s=1.0)
+    config = AppConfig(max_connections=40, header_timeout_s=1.0, body_timeout_s=1.0,
+                       keepalive_timeout_s=1.0)
     before = rss_mb()
     caplog.set_level("INFO")
     async with running_server(demo_engine, config) as srv, health_watch(srv.base) as watch:
@@ -190,11 +191,17 @@ async def test_silent_connections_are_capped_and_closed_with_one_log_line(demo_e
         assert all(a == b"" for a in answers if a not in refused)  # closed, no answer
         # A body announced and never sent: 408 once the body deadline passes.
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
         answer = await _eof_within(reader, 15)
         assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
-        for _, w in [*streams, (reader, writer)]:
+        # One whole request, then half of the next one's headers: the keep-alive deadline.
+        again, writer2 = await asyncio.open_connection("127.0.0.1", port)
+        writer2.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert (await again.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer2.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        assert b"HTTP/1.1" not in await _eof_within(again, 15)
+        for _, w in [*streams, (reader, writer), (again, writer2)]:
             w.close()
         async with aiohttp.ClientSession() as session, session.get(srv.v1 + "/models") as r:
             assert r.status == 200  # new clients are served again

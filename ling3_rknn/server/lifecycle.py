@@ -107,6 +107,7 @@ async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[i
         # the rest for this long so the client sees the answer; 10 s by default, which a
         # client that never sends the rest holds a connection for.
         lingering_time=2.0,
+        keepalive_timeout=app[CONFIG].keepalive_timeout_s,
     )
     await runner.setup()
     config = app[CONFIG]

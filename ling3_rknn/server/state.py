@@ -29,6 +29,9 @@ class AppConfig:
     # a body), so silent connections cannot pile up.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    # An idle keep-alive connection (or one that began its next request's headers and
+    # stopped) is closed after this; aiohttp's own default without web.run_app is an hour.
+    keepalive_timeout_s: float = 75.0
     # Open connections allowed (beyond it: 503 and close); None: the descriptor limit less
     # a reserve (server/connections.py).
     max_connections: int | None = None
