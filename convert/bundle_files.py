@@ -14,8 +14,11 @@ from ling3_rknn.bundle import (
     BundleWriter,
     conv_key,
     expert_bias_key,
+    mla_key_basis_key,
+    mla_value_basis_key,
 )
 from ling3_rknn.config import ModelConfig
+from ling3_rknn.model.mla_expanded import mla_bases
 from ling3_rknn.model.weights import CheckpointWeights
 from ling3_rknn.npu.experts import PackedExperts
 
@@ -74,7 +77,8 @@ def write_experts(writer: BundleWriter, w: CheckpointWeights, layer: int, fmt: s
 
 def write_cpu_weights(writer: BundleWriter, w: CheckpointWeights) -> None:
     """Embedding table (fp16 when the checkpoint stores 16-bit floats and fp16 holds them,
-    else fp32), KDA conv taps [K, 3P] and MoE expert biases, all for the CPU glue."""
+    else fp32), KDA conv taps [K, 3P], MoE expert biases and the MLA key/value bases, all
+    for the CPU glue."""
     if writer.done(WEIGHTS_FILE):
         return
     cfg = w.cfg
@@ -90,5 +94,9 @@ def write_cpu_weights(writer: BundleWriter, w: CheckpointWeights) -> None:
     for i in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(i):
             tensors[expert_bias_key(i)] = np.array(w.expert_bias(i), np.float32)
+    for i in cfg.mla_layers:  # the expanded prefill form's bases (docs/model.md, MLA)
+        bases = mla_bases(*w.mla_absorbed(i))
+        tensors[mla_key_basis_key(i)] = bases.key
+        tensors[mla_value_basis_key(i)] = bases.value
     save_file(tensors, writer.path(WEIGHTS_FILE))
     writer.record(WEIGHTS_FILE)

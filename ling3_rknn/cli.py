@@ -48,6 +48,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {value}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text) if text.isdigit() else -1
     if not 0 <= value <= 65535:
@@ -93,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="another model id clients may send (repeatable)",
     )
     serve.add_argument(
+        "--default-max-tokens", type=_non_negative_int, metavar="N",
+        help="output tokens of a request that sends no max_tokens (default 4096; 0: up to "
+             "the context limit); a single-stream board is held by a runaway answer",
+    )
+    serve.add_argument(
         "--max-queue",
         type=_positive_int,
         metavar="N",
@@ -130,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
              "instead of 453 MB) for a rounding of 2^-11 per cached value (default float32)",
     )
     serve.add_argument(
+        "--prefill-scratch", type=parse_size, metavar="N",
+        help="memory a prompt's expanded MLA rows may take while it is evaluated (3.4x "
+             "fewer attention FLOPs; 2G covers a 16.6K-token prompt of Ling-3.0-tiny; "
+             "longer prompts continue in the absorbed form; 0: never). Default 2G",
+    )
+    serve.add_argument(
         "--verify", choices=["stamped", "full", "size"], default="stamped",
         help="bundle check at start: sha256 of every file, remembered while the files are "
              "unchanged (stamped, default), always (full), or sizes only (size: opt-out)",
@@ -137,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(commands)
     _add_bench(commands)
     _add_doctor(commands)
+    _add_warm(commands)
     return parser
 
 
@@ -193,6 +215,18 @@ def _add_bench(commands: Any) -> None:
                        help="128 and 466 prompt tokens only (a host run in well under a minute)")
 
 
+def _add_warm(commands: Any) -> None:
+    """``warm``: replay recorded requests so the prefix cache holds them (``ling3_rknn.warm``)."""
+    warm = commands.add_parser(
+        "warm", help="replay recorded chat requests against a running server (cache warm-up)")
+    warm.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                      help="chat-completions request bodies: one JSON object, or JSONL")
+    warm.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
+    warm.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                      help=f"the server's key (default: ${API_KEY_ENV})")
+    warm.add_argument("--model", help="send this model id instead of the recorded one")
+
+
 def _add_doctor(commands: Any) -> None:
     """``doctor``: is this board ready to serve, and the command that fixes what is not."""
     doc = commands.add_parser("doctor", help="check the board and bundle; print the fixes")
@@ -223,6 +257,10 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
         options["cache_dir"] = args.cache_dir
     if args.max_queue is not None:
         options["max_queue"] = args.max_queue
+    if args.prefill_scratch is not None:
+        options["prefill_scratch_bytes"] = args.prefill_scratch
+    if args.default_max_tokens is not None:  # 0: no cap but the context
+        options["default_max_tokens"] = args.default_max_tokens or None
     return options
 
 
@@ -334,6 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ling3_rknn.bench.command import run_bench
 
         return run_bench(args)
+    if args.command == "warm":
+        from ling3_rknn.warm import run_warm
+
+        return run_warm(args.url, args.files, args.api_key, args.model)
     if args.command == "convert":
         from convert.cli import run_convert
 

@@ -36,6 +36,9 @@ def make_engine(
     from ling3_rknn.engine import Engine, defaults_from_generation_config
 
     options = dict(options)
+    scratch = options.pop("prefill_scratch_bytes", None)  # the model's, not the engine's
+    if scratch is not None:
+        model.prefill_scratch_bytes = int(scratch)  # type: ignore[call-overload]
     if generation_config:
         options["generation_defaults"] = defaults_from_generation_config(generation_config)
         options.setdefault("eos_token_ids", _eos_ids(generation_config))

@@ -39,11 +39,19 @@ def test_quick_report_has_sane_figures(quick_run):
     cache = report["prefix_cache"]
     assert cache["turn2_cached_tokens"] > 0
     assert cache["turn2_evaluated_tokens"] < cache["turn2_prompt_tokens"]
+    agent = report["agent_first_request"]  # quick: the agent request's shape at pi's size
+    assert 2900 <= agent["prompt_tokens"] <= 3065 and agent["ttft_s"] > 0
+    assert agent["prefill_tok_s"] > 0
+    # the next session shares everything but the question: only that is evaluated
+    assert agent["next_session_cached_tokens"] > 0.8 * agent["prompt_tokens"]
+    assert (agent["next_session_evaluated_tokens"]
+            == agent["next_session_prompt_tokens"] - agent["next_session_cached_tokens"])
     assert report["npu_calls_per_token"]["decode"] >= 1
     assert report["rss_bytes"] > 0 and report["npu_resident_bytes"] > 0
     assert report["empty_graph"]["median_us"] > 0
-    for split in report["ms_per_token"].values():
-        assert {"npu_stages", "experts", "cpu_glue"} <= set(split)
+    for key in ("ms_per_token", "prefill_ms_per_token"):  # decode's and prefill's split
+        for split in report[key].values():
+            assert {"npu_stages", "experts", "cpu_glue"} <= set(split)
     assert report["machine"]["is_rk3588"] in (True, False)
     assert len(report["bundle"]["manifest_sha256"]) == 64
     assert report["bundle"]["model_id"] == "ling-3.0-tiny-demo"

@@ -149,9 +149,75 @@ def test_response_format_is_json_for_the_schema(tok, ll):
 
 
 def test_free_turns_get_no_grammar():
-    assert turn_grammar(TOOLS) is None  # auto with parallel calls: unconstrained
+    assert turn_grammar(TOOLS, lazy_calls=False) is None  # auto, the lazy grammar declined
     assert turn_grammar(TOOLS, tool_choice="none") is None
     assert turn_grammar(None, parallel_tool_calls=False) is None
+    assert turn_grammar(None) is None
+
+
+def lazy_admits(tok, ll, grammar, pieces: list[str]) -> bool:
+    """What a lazy grammar admits once entered: the pieces start at the trigger marker."""
+    assert grammar.trigger == "<tool_call>" and pieces[0] == grammar.trigger
+    return admits(tok, ll, grammar, pieces)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_plain_auto_gets_the_lazy_grammar_of_its_calls(tok, ll, thinking):
+    """From the opening marker on, a plain "auto" call is a "required" call: a declared
+    tool, schema-valid arguments, more calls or the end; the text before it is not in the
+    grammar at all (the engine enters it at the trigger)."""
+    grammar = turn_grammar(TOOLS, thinking=thinking)
+    assert grammar is not None and grammar.lazy
+    two = [*WEATHER_CALL, "\n", *call("ping")]
+    for pieces in (WEATHER_CALL, two):
+        assert lazy_admits(tok, ll, grammar, pieces)
+    for bad in (call("get_time", city="Lisbon"), call("get_weather", city="Lisbon"),
+                call("get_weather", city="Lisbon", days="three"),
+                [*WEATHER_CALL, "\nThe weather is"]):
+        assert not lazy_admits(tok, ll, grammar, bad), bad
+    one = turn_grammar(TOOLS, thinking=thinking, parallel_tool_calls=False)
+    assert not one.lazy  # parallel_tool_calls false keeps its whole-turn grammar
+
+
+def test_a_lazy_grammar_never_refuses_a_schema(tok, ll):
+    """Every tool of an "auto" turn is lenient: a schema the grammar cannot follow gets
+    free arguments instead of a 400 (the request used to be served unconstrained)."""
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "contentEncoding": "b"},
+                                          "<bad>": {"type": "string"}}}}}
+    grammar = turn_grammar([odd])
+    assert grammar is not None
+    assert lazy_admits(tok, ll, grammar, call("odd", anything="goes"))
+
+
+def test_a_budget_bounds_a_forced_calls_free_strings(tok, ll):
+    """With a budget, each raw string without maxLength of a forced call gets a token
+    bound (a share of the budget), after which the grammar closes the value."""
+    text_tool = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"title": {"type": "string"},
+                                          "body": {"type": "string"},
+                                          "tag": {"type": "string", "maxLength": 4}},
+        "required": ["title", "body"]}}}
+    forced = turn_grammar([text_tool], tool_choice="required", forced_tool="note",
+                          thinking=False)
+    assert forced.with_budget(10**6).bounds() == {"note": {"title": 262144, "body": 262144}}
+    bounded = forced.with_budget(100)  # two unbounded strings: 100 // 3 -> 32 tokens each
+    assert bounded.bounds() == {"note": {"title": 32, "body": 32}}
+    assert forced.bounds() == {}  # no budget, no bound
+    lark = bounded.lark(tok.special_ids).lark
+    matcher = llguidance.LLMatcher(ll, lark, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    head = ids(tok, "<tool_call>", "note\n", "<arg_key>", "title", "</arg_key>", "\n",
+               "<arg_value>")
+    assert matcher.try_consume_tokens(head) == len(head)
+    word = tok.encode_text("a")[0]
+    taken = 0
+    while matcher.try_consume_tokens([word]) == 1:
+        taken += 1
+        assert taken <= 32
+    assert taken == 32 and matcher.compute_ff_tokens()[:1] == [tok.special_ids["</arg_value>"]]
+    # under auto (lazy) no bound applies: a free string stays free
+    assert turn_grammar([text_tool]).with_budget(100).bounds() == {}
 
 
 @pytest.mark.parametrize(("kwargs", "part"), [

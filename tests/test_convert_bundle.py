@@ -10,13 +10,16 @@ matches them to 1e-4, tests/test_model_oracle.py) for sequences the fixture lack
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import FIXTURES, ORACLE_DIR, ORACLE_FIXTURES
+from safetensors.numpy import load_file, save_file
 
 from convert.converter import ConvertOptions, convert
+from ling3_rknn.bundle import BundleError
 from ling3_rknn.model import Model
 from ling3_rknn.model.bundle_stages import GraphStages
 from ling3_rknn.npu import MockRKNNLite, OnnxExecutor, RknnLiteExecutor
@@ -109,6 +112,7 @@ def test_bundle_on_rknnlite_mock_matches_transformers(fp_bundle) -> None:
     ref = np.load(ORACLE_DIR / fixture / "reference.npz")
     model = Model.from_bundle(path, executor="mock", verify="full")
     assert isinstance(model.stages, GraphStages)
+    assert set(model.cpu.mla_bases) == set(model.config.mla_layers)  # expanded prefill form
     ex = model.stages._ex["layer.0.in"]
     assert isinstance(ex, RknnLiteExecutor) and ex.runtime_name == "MockRKNNLite"
 
@@ -132,6 +136,41 @@ def test_bundle_on_rknnlite_mock_matches_transformers(fp_bundle) -> None:
     float_tokens, float_rows = greedy(hf, prompt, GREEDY_STEPS)
     n = agreed_steps(tokens, float_tokens, float_rows)
     assert float(np.abs(rows[: n + 1] - float_rows[: n + 1]).max()) <= TOL
+
+
+def _rewrite_weights(bundle: Path, change) -> None:
+    """Edit a copied bundle's CPU weights file (then opened with verify="none")."""
+    path = bundle / "weights.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path)
+
+
+def test_a_bundle_without_mla_bases_prefills_absorbed(fp_bundle, tmp_path) -> None:
+    """Bundles converted before the expanded form existed load and stay exact."""
+    fixture, path = fp_bundle
+    old = tmp_path / "old"
+    shutil.copytree(path, old)
+    _rewrite_weights(old, lambda t: [t.pop(k) for k in list(t) if k.startswith("mla_")])
+    model = Model.from_bundle(old, executor="mock", verify="none")
+    assert model.cpu.mla_bases == {}
+    ref = np.load(ORACLE_DIR / fixture / "reference.npz")
+    logits = model.forward(ref["input_ids"], model.new_state())
+    assert float(np.abs(logits - ref["logits_full"]).max()) <= TOL
+
+
+def test_a_basis_of_the_wrong_shape_is_a_bundle_error(fp_bundle, tmp_path) -> None:
+    _, path = fp_bundle
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+
+    def shrink(tensors):
+        key = next(k for k in tensors if k.startswith("mla_key_basis."))
+        tensors[key] = np.ascontiguousarray(tensors[key][:, :, :-1])
+
+    _rewrite_weights(bad, shrink)
+    with pytest.raises(BundleError, match="mla_key_basis"):
+        Model.from_bundle(bad, executor="mock", verify="none")
 
 
 def test_default_plan_keeps_qmoe_experts_on_the_cpu(tmp_path) -> None:

@@ -147,6 +147,23 @@ async def test_first_token_logits_equal_cold_evaluation_when_fully_cached(model,
     assert len(spy.fed) - fed == len(ids2) + 1  # 3 decode feeds + [last, eos] at the end
 
 
+async def test_next_session_with_a_short_question_reuses_the_header(model, tok):
+    """An agent's next session: the same system prompt and tools, another short question
+    (closer to the end than the snapshot gap). Only the question is evaluated."""
+    with engine_for(SpyModel(model), tok) as engine:
+        first = render([SYSTEM, {"role": "user", "content": "Open a.py"}], TOOLS,
+                       enable_thinking=False)
+        await run(engine, first, 2)
+        second = render([SYSTEM, {"role": "user", "content": "Fix b.py"}], TOOLS,
+                        enable_thinking=False)
+        ids = engine.encode_prompt(second)
+        fin, _ = await run(engine, second, 2)
+    header = tok.encode_segments(render([SYSTEM], TOOLS, enable_thinking=False,
+                                        add_generation_prompt=False))
+    assert ids[: len(header)] == header and len(ids) - len(header) < 64
+    assert fin.usage.cached_tokens == len(header)
+
+
 async def test_changed_system_prompt_misses(model, tok):
     spy = SpyModel(model)
     with engine_for(spy, tok) as engine:

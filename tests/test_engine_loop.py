@@ -207,6 +207,29 @@ async def test_cancel_stops_within_one_token_and_engine_stays_clean(tok):
         assert fin.text == long_answer
 
 
+async def test_a_request_cancelled_while_queued_counts_as_cancelled(tok):
+    """A client that leaves while its request still waits for the worker: the worker drops
+    the request without running it, and /metrics' cancelled count includes it."""
+    engine, model = make_engine(tok)
+    model.gate = gate = EntryGate()
+    with engine:
+        first = engine.generate(GenerationRequest(prompt("one"), GREEDY))
+        task1 = asyncio.ensure_future(anext(first))
+        assert await asyncio.to_thread(gate.entered.wait, 30)  # worker blocked in forward
+        second = engine.generate(GenerationRequest(prompt("two"), GREEDY))
+        assert isinstance(await anext(second), Admitted)  # queued behind the first
+        await second.aclose()
+        calls = len(model.calls)
+        gate.set()
+        await task1
+        _ = [e async for e in first]
+        assert await engine.idle(30)
+        assert engine.stats().cancelled == 1
+        two = tok.encode_text("two")
+        flat = repr([t for c in model.calls[calls:] for t in c])
+        assert repr(two)[1:-1] not in flat  # never evaluated
+
+
 async def test_consumer_task_cancellation_also_cancels(tok):
     engine, model = make_engine(tok, answer_text=" ".join(["hello"] * 40), delay=0.01)
     with engine:

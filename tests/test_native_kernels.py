@@ -1,4 +1,4 @@
-"""The compiled decode kernels (ling3_rknn/model/mla_decode.c, kda_decode.c) against the
+"""The compiled glue kernels (ling3_rknn/model/mla_attention.c, kda_decode.c) against the
 numpy paths they replace.
 
 The numpy paths are the reference: ``mla._attend`` for the MLA attention, ``short_conv`` +
@@ -155,6 +155,81 @@ def test_blocks_it_cannot_read_fall_back_to_numpy():
         native.set_enabled(True)
 
 
+def _chunk_query(rng: np.random.Generator, t: int, heads: int, r: int, rope: int):
+    return (rng.standard_normal((t, heads, r)).astype(np.float32),
+            rng.standard_normal((t, heads, rope)).astype(np.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("lengths,t", [
+    ([64], 64),                      # a first chunk: every row is the chunk's own (masked)
+    ([256, 256, 100], 64),           # a chunk at depth 548, its rows in the last block
+    ([256, 40], 7),                  # a short last piece
+    ([256] * 4 + [1], 2),            # two tokens across a block boundary
+    ([256, 256, 256, 100], 160),     # a piece longer than the numpy path's query chunk
+])
+def test_prefill_chunk_matches_numpy_at_real_dimensions(lengths, t):
+    rng = np.random.default_rng(t * 100 + len(lengths))
+    heads, r, rope = 16, 512, 64
+    blocks = _cache(rng, lengths, r + rope)
+    length = sum(lengths)
+    q_latent, q_rope = _chunk_query(rng, t, heads, r, rope)
+    want = _numpy_attention(q_latent, q_rope, blocks, length, 0.07)
+    got = mla.mla_attention(q_latent, q_rope, blocks, length, 0.07)
+    assert got.shape == (t, heads, r)
+    assert _close(got, want) < TOL
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,r,rope,t", [(8, 128, 16, 64), (5, 24, 8, 9), (1, 8, 4, 3),
+                                            (32, 64, 16, 5), (3, 32, 16, 17)])
+def test_prefill_tiles_pack_any_head_count(heads, r, rope, t):
+    """Columns are (token, head) pairs packed 16 to a tile, so a tile may hold several
+    tokens (each lane masked at its own position) and the last one padding lanes."""
+    rng = np.random.default_rng(heads * 10 + t)
+    blocks = _cache(rng, [256, 300 - 256 + t], r + rope)
+    length = 300 + t
+    q_latent, q_rope = _chunk_query(rng, t, heads, r, rope)
+    want = _numpy_attention(q_latent, q_rope, blocks, length, 0.2)
+    assert _close(mla.mla_attention(q_latent, q_rope, blocks, length, 0.2), want) < TOL
+
+
+@needs_kernel
+def test_prefill_reads_a_float16_cache_like_numpy():
+    rng = np.random.default_rng(11)
+    heads, r, rope = 16, 512, 64
+    blocks = [b.astype(np.float16) for b in _cache(rng, [256, 200], r + rope)]
+    q_latent, q_rope = _chunk_query(rng, 64, heads, r, rope)
+    want = _numpy_attention(q_latent, q_rope, blocks, 456, 0.07)
+    assert _close(mla.mla_attention(q_latent, q_rope, blocks, 456, 0.07), want) < TOL
+
+
+@needs_kernel
+@pytest.mark.parametrize("parts", [2, 3, 7])
+def test_prefill_tiles_split_over_threads_like_one(parts):
+    rng = np.random.default_rng(parts)
+    heads, r, rope = 8, 128, 16
+    blocks = _cache(rng, [256] * 9 + [64], r + rope)
+    length = 256 * 9 + 64
+    q_latent, q_rope = _chunk_query(rng, 64, heads, r, rope)
+    alone = mla.mla_attention(q_latent, q_rope, blocks, length, 0.1)
+    with ThreadPoolExecutor(2) as pool:
+        split = mla.mla_attention(q_latent, q_rope, blocks, length, 0.1, pool=pool, parts=parts)
+    np.testing.assert_array_equal(split, alone)  # tiles are independent: same bits
+    assert _close(split, _numpy_attention(q_latent, q_rope, blocks, length, 0.1)) < TOL
+
+
+@needs_kernel
+def test_prefill_never_reads_rows_past_the_newest_token():
+    rng = np.random.default_rng(12)
+    heads, r, rope = 4, 32, 8
+    blocks = _cache(rng, [256, 256], r + rope)
+    q_latent, q_rope = _chunk_query(rng, 10, heads, r, rope)
+    full = mla.mla_attention(q_latent, q_rope, blocks, 300, 0.1)
+    blocks[1][300 - 256:] = np.nan  # rows past ``length``: allocated, never written
+    np.testing.assert_array_equal(mla.mla_attention(q_latent, q_rope, blocks, 300, 0.1), full)
+
+
 def _kda_inputs(rng: np.random.Generator, heads: int, d: int, decay: float):
     qkv = rng.standard_normal((1, 3 * heads * d)).astype(np.float32)
     log_decay = (-decay / (1.0 + np.exp(-rng.standard_normal((1, heads, d))))).astype(
@@ -255,7 +330,7 @@ def test_built_once_per_machine_then_loaded(fresh_loader, monkeypatch):
 def test_a_failing_compiler_is_reported_and_leaves_nothing(fresh_loader, monkeypatch,
                                                            tmp_path_factory):
     fake = tmp_path_factory.mktemp("bin") / "cc"
-    fake.write_text("#!/bin/sh\necho 'mla_decode.c:1: error: no' >&2\nexit 1\n")
+    fake.write_text("#!/bin/sh\necho 'mla_attention.c:1: error: no' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     assert not native.available()

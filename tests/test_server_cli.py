@@ -96,6 +96,24 @@ def test_engine_options_only_pass_what_was_given():
     argv = ["serve", "--demo", "--max-queue", "4", "--max-context", "512", "--model-id", "x"]
     options = cli._engine_options(cli.build_parser().parse_args(argv))
     assert options == {"max_queue": 4, "max_context": 512, "model_id": "x"}
+    for flag, cap in (("4096", 4096), ("0", None)):  # 0: no cap but the context
+        args = cli.build_parser().parse_args(["serve", "--default-max-tokens", flag])
+        assert cli._engine_options(args) == {"default_max_tokens": cap}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--default-max-tokens", "-1"])
+    for flag, size in (("1G", 1024**3), ("0", 0)):
+        args = cli.build_parser().parse_args(["serve", "--prefill-scratch", flag])
+        assert cli._engine_options(args) == {"prefill_scratch_bytes": size}
+
+
+def test_prefill_scratch_reaches_the_model_not_the_engine():
+    from ling3_rknn.demo import load_demo_engine
+
+    engine = load_demo_engine(prefill_scratch_bytes=12345)  # Engine() would refuse the key
+    try:
+        assert engine.model.prefill_scratch_bytes == 12345
+    finally:
+        engine.close()
 
 
 def test_no_model_flag_serves_the_embedded_demo(monkeypatch):

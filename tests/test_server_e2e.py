@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import aiohttp
@@ -85,7 +86,31 @@ async def test_real_engine_context_overflow_is_compaction_signal(client_and_engi
 
 
 async def test_real_engine_disconnect_cancels_and_next_request_is_served(client_and_engine):
+    """A client that goes away mid-answer cancels its generation, and the next request is
+    served. Deterministic on a loaded host: the real model's decode steps wait until the
+    server has closed the generation (what the handler does when its client disconnects),
+    so the answer is always still running when the client leaves (the demo would otherwise
+    finish its ~34-token answer in a fraction of a second, before any disconnect)."""
     client, engine, srv = client_and_engine
+    started, closed = threading.Event(), threading.Event()
+    generate, forward = engine.generate, engine.model.forward
+
+    async def watched_generate(request):
+        inner = generate(request)
+        try:
+            async for event in inner:
+                yield event
+        finally:
+            await inner.aclose()  # as the handler's close reaches the engine: cancel is set
+            closed.set()
+
+    def gated_forward(ids, state, **kwargs):
+        if len(ids) == 1:  # decode steps wait for the disconnect (bounded)
+            started.set()
+            closed.wait(60)
+        return forward(ids, state, **kwargs)
+
+    engine.generate, engine.model.forward = watched_generate, gated_forward
     payload = {
         "model": "ling-3.0-tiny",
         "messages": USER,
@@ -93,16 +118,23 @@ async def test_real_engine_disconnect_cancels_and_next_request_is_served(client_
         "stream": True,
         "chat_template_kwargs": {"enable_thinking": False},
     }
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(srv.v1 + "/chat/completions", json=payload) as response,
-    ):
-        assert response.status == 200
-        await response.content.readline()  # the role chunk: generation is under way
-    deadline = time.monotonic() + 30  # generous: a loaded 2-core host delays the worker
-    while engine.stats().cancelled < 1:
-        assert time.monotonic() < deadline, "generation was not cancelled"
-        await asyncio.sleep(0.02)
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(srv.v1 + "/chat/completions", json=payload) as response,
+        ):
+            assert response.status == 200
+            await response.content.readline()  # the role chunk: the request is admitted
+            # the worker has prefilled and sampled: the answer is running when we leave
+            assert await asyncio.to_thread(started.wait, 60), "the answer never started"
+        assert await asyncio.to_thread(closed.wait, 60), "the server never closed the stream"
+        deadline = time.monotonic() + 60  # generous: a loaded 2-core host delays the worker
+        while engine.stats().cancelled < 1:
+            assert time.monotonic() < deadline, "generation was not cancelled"
+            await asyncio.sleep(0.02)
+    finally:
+        closed.set()
+        engine.generate, engine.model.forward = generate, forward
     assert engine.stats().completion_tokens < 200
     after = await client.chat.completions.create(
         model="ling-3.0-tiny", messages=USER, max_tokens=3, temperature=0

@@ -41,7 +41,7 @@ from convert.demo_model.corpus import (
     weather_result,
 )
 from convert.demo_model.names import city_pools
-from ling3_rknn.chat import parse_assistant, render
+from ling3_rknn.chat import markers, parse_assistant, render, turn_grammar
 from ling3_rknn.engine import Engine, Finished, GenerationRequest, SamplingParams
 
 SEED = 4242
@@ -113,20 +113,25 @@ def eval_tools() -> list[dict]:
             tool_schema("get_time", rng, canonical=True)]
 
 
-async def _generate(engine: Engine, messages: list[dict], tools: list[dict], thinking: bool
-                    ) -> str:
-    request = GenerationRequest(  # as the server asks (its end-of-turn stop string too)
+async def _generate(engine: Engine, messages: list[dict], tools: list[dict], thinking: bool,
+                    lazy: bool = True) -> str:
+    # As the server asks (its end-of-turn stop string too): under "auto" the lazy grammar of
+    # the calls and the in-call markers banned before it (``lazy=False``: free, as before).
+    grammar = turn_grammar(tools, thinking=thinking, lazy_calls=lazy)
+    request = GenerationRequest(
         prompt=render(messages, tools, enable_thinking=thinking),
-        sampling=SamplingParams(temperature=0.0), max_tokens=96, stop=("<|role_end|>",))
+        sampling=SamplingParams(temperature=0.0), max_tokens=96, stop=("<|role_end|>",),
+        grammar=grammar, banned_markers=markers.CALL_BODY_MARKERS if grammar else ())
     async for event in engine.generate(request):
         if isinstance(event, Finished):
             return event.text
     raise RuntimeError("generation ended without a Finished event")
 
 
-async def run_case(engine: Engine, case: Case, tools: list[dict], thinking: bool) -> Outcome:
+async def run_case(engine: Engine, case: Case, tools: list[dict], thinking: bool,
+                   lazy: bool = True) -> Outcome:
     messages: list[dict[str, Any]] = [{"role": "user", "content": case.question}]
-    text = await _generate(engine, messages, tools, thinking)
+    text = await _generate(engine, messages, tools, thinking, lazy)
     parsed = parse_assistant(text, tools, thinking=thinking)
     out = Outcome(case, text, no_call=not parsed.tool_calls)
     if case.kind == "small_talk":
@@ -138,7 +143,7 @@ async def run_case(engine: Engine, case: Case, tools: list[dict], thinking: bool
         "name": case.tool, "arguments": json.dumps({"city": case.city}, ensure_ascii=False)}}
     messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": "call_1", "content": case.result}]
-    answer = parse_assistant(await _generate(engine, messages, tools, thinking), tools,
+    answer = parse_assistant(await _generate(engine, messages, tools, thinking, lazy), tools,
                              thinking=thinking)
     out.answer_text = answer.content
     out.answer_ok = not answer.tool_calls and all(q in answer.content for q in case.quote)
@@ -217,11 +222,11 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
 
 
 async def evaluate(engine: Engine, thinking: bool, progress: bool = True,
-                   wordings: str = "heldout") -> list[Outcome]:
+                   wordings: str = "heldout", lazy: bool = True) -> list[Outcome]:
     tools = eval_tools()
     outcomes = []
     for i, case in enumerate(eval_cases(wordings=wordings)):
-        outcomes.append(await run_case(engine, case, tools, thinking))
+        outcomes.append(await run_case(engine, case, tools, thinking, lazy))
         if progress:
             o = outcomes[-1]
             mark = ("ok" if (o.no_call if case.kind == "small_talk" else o.call_ok) else "--")
@@ -246,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--thinking", choices=["on", "off", "both"], default="both")
     ap.add_argument("--wordings", choices=["heldout", "train"], default="heldout",
                     help="the tool questions' wordings (train: a diagnostic, see eval_cases)")
+    ap.add_argument("--calls", choices=["lazy", "free"], default="lazy",
+                    help="auto's calls under the lazy grammar, as the server serves them "
+                         "(default), or free as before it (docs/serving.md 9)")
     ap.add_argument("--json", type=Path, help="write the figures and every answer here")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -257,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok, generation_config = load_model(args.hf, args.bundle)
     report: dict[str, Any] = {"source": str(args.hf or args.bundle), "wordings": args.wordings,
+                              "calls": args.calls,
                               "stages": "simulator" if args.simulate else "as loaded"}
     with contextlib.ExitStack() as stack:
         if args.simulate:
@@ -268,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]
         for thinking in modes:
             start = time.time()
-            outcomes = asyncio.run(evaluate(engine, thinking, not args.quiet, args.wordings))
+            outcomes = asyncio.run(evaluate(engine, thinking, not args.quiet, args.wordings,
+                                            args.calls == "lazy"))
             figures = summarize(outcomes)
             figures["seconds"] = round(time.time() - start, 1)
             key = "thinking_on" if thinking else "thinking_off"

@@ -35,8 +35,9 @@ from . import prompts
 from .progress import Progress
 from .timers import ComponentTimers, Split
 
-FULL_SIZES = (128, 466, 2048, 8192)
+FULL_SIZES = (128, 466, 2048, 8192, 16384, 32768)
 QUICK_SIZES = (128, 466)
+QUICK_AGENT_TOKENS = 3065  # pi's first request; opencode's shape at pi's size
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -45,12 +46,15 @@ class Plan:
     sizes: tuple[int, ...]
     decode_tokens: int
     empty_graph_calls: int
+    agent_request_tokens: int
 
 
 def make_plan(quick: bool) -> Plan:
     if quick:
-        return Plan(QUICK_SIZES, decode_tokens=32, empty_graph_calls=20)
-    return Plan(FULL_SIZES, decode_tokens=64, empty_graph_calls=100)
+        return Plan(QUICK_SIZES, decode_tokens=32, empty_graph_calls=20,
+                    agent_request_tokens=QUICK_AGENT_TOKENS)
+    return Plan(FULL_SIZES, decode_tokens=64, empty_graph_calls=100,
+                agent_request_tokens=prompts.OPENCODE_FIRST_REQUEST_TOKENS)
 
 
 def capped_sizes(sizes: Sequence[int], max_context: int, decode_tokens: int) -> list[int]:
@@ -105,6 +109,7 @@ async def sized_run(engine: Engine, timers: ComponentTimers, size: int, decode_t
         "decode_tokens": decoded, "decode_s": decode_s,
         "decode_tok_s": decoded / decode_s if decoded and decode_s > 0 else None,
         "finish_reason": fin.finish_reason, "ms_per_token": split,
+        "prefill_ms_per_token": timers.prefill.per_token_ms(),
         "npu_calls_per_token": _per_token(timers.decode),
         "npu_calls_per_prefill_token": _per_token(timers.prefill),
     }
@@ -146,6 +151,33 @@ async def agent_loop(engine: Engine) -> dict[str, Any]:
     }
 
 
+async def agent_first_request(engine: Engine, target: int) -> dict[str, Any]:
+    """Time to first token of an agent's first request (``prompts.agent_first_request``:
+    opencode's shape and, in a full run, its size) on a cold cache, then of the same agent's
+    next session (same system prompt and tools, another question): what a user waits for
+    before the first word, and what every later session of that agent costs."""
+    count = _counter(engine)
+    limit = min(target, engine.max_context - 8)
+    segments, tokens, next_session = prompts.agent_first_request(count, limit,
+                                                                 f"agent-{time.time()}")
+    before = engine.stats()
+    _, ttft = await _generate(engine, GenerationRequest(segments, GREEDY, max_tokens=1))
+    middle = engine.stats()
+    second, ttft2 = await _generate(engine, GenerationRequest(
+        next_session("Now add a test for the empty input case."), GREEDY, max_tokens=1))
+    after = engine.stats()
+    evaluated = middle.prefill_tokens - before.prefill_tokens
+    seconds = middle.prefill_seconds - before.prefill_seconds
+    return {
+        "prompt_tokens": tokens, "ttft_s": ttft,
+        "prefill_tok_s": evaluated / seconds if seconds > 0 else None,
+        "next_session_prompt_tokens": second.usage.prompt_tokens,
+        "next_session_cached_tokens": second.usage.cached_tokens,
+        "next_session_evaluated_tokens": after.prefill_tokens - middle.prefill_tokens,
+        "next_session_ttft_s": ttft2,
+    }
+
+
 def empty_graph_latency(bundle: Bundle, calls: int) -> dict[str, Any]:
     """Per-call latency of the smallest stage graph at its decode shape, on its own
     executor (opened the way the model opens it): the fixed cost every NPU call pays.
@@ -181,7 +213,10 @@ async def _measure_engine(engine: Engine, plan: Plan, progress: Progress) -> dic
         progress.step(f"prefill {size} tokens + decode {plan.decode_tokens}")
         runs.append(await sized_run(engine, timers, size, plan.decode_tokens))
     progress.step("agent loop, 2 turns")
-    return {"runs": runs, "prefix_cache": await agent_loop(engine)}
+    loop = await agent_loop(engine)
+    progress.step(f"agent first request ({plan.agent_request_tokens} tokens) + next session")
+    agent = await agent_first_request(engine, plan.agent_request_tokens)
+    return {"runs": runs, "prefix_cache": loop, "agent_first_request": agent}
 
 
 def measure(engine: Engine, bundle: Bundle, plan: Plan, progress: Progress

@@ -64,3 +64,53 @@ def agent_turn_two(history: list[dict[str, Any]], assistant: dict[str, Any]
         return [*messages, {"role": "user", "content": "And tomorrow?"}]
     return [*messages, *({"role": "tool", "tool_call_id": c["id"], "content": TOOL_RESULT}
                          for c in calls)]
+
+
+# opencode 1.18's first request, as measured against the demo server: a ~31K-character system
+# prompt and 10 tool schemas, 16,604 tokens with the demo's vocabulary (README, agent
+# clients). The bench rebuilds a prompt of that shape and size, not opencode's words.
+OPENCODE_FIRST_REQUEST_TOKENS = 16_604
+_AGENT_TOOLS = ("bash", "read", "write", "edit", "glob", "grep", "list", "webfetch",
+                "todowrite", "task")
+_GUIDELINE = ("- When {verb} files under src/{m}/, read the surrounding code first, keep the "
+              "project's style, run `pytest -q tests/test_{m}.py` and report what changed "
+              "in one short paragraph; never commit unless asked ({i}).\n")
+_VERBS = ("editing", "creating", "moving", "reviewing", "refactoring", "testing")
+
+
+def _agent_tool(name: str, i: int) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": name,
+        "description": f"Use {name} on a path of the repository ({i}).",
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string", "description": "Path of the file or folder"},
+            "timeout": {"type": "integer", "description": "Milliseconds"},
+        }, "required": ["path"]}}}
+
+
+def agent_first_request(count: Callable[[Sequence[Any]], int], target: int, tag: str
+                        ) -> tuple[list[Any], int, Callable[[str], list[Any]]]:
+    """Segments of an agent's first request (a long system prompt of instructions, ten tool
+    schemas, a short user question) of at most ``target`` tokens, its token count, and a
+    function giving the same prefix with another user question (a next session of the same
+    agent: only the question differs). ``tag`` opens the system prompt, so no earlier run's
+    cache serves it."""
+    tools = [_agent_tool(name, i) for i, name in enumerate(_AGENT_TOOLS)]
+    lines = [_GUIDELINE.format(verb=_VERBS[i % len(_VERBS)], m=f"mod{i % 53}", i=i)
+             for i in range(max(target, 1))]
+
+    def build(n: int, question: str = "Fix the failing test in tests/test_mod7.py.") -> list[Any]:
+        system = (f"Session {tag}. You are a coding agent working in a git repository. "
+                  "Follow these rules:\n" + "".join(lines[:n]))
+        return render([{"role": "system", "content": system},
+                       {"role": "user", "content": question}], tools, enable_thinking=False)
+
+    lo, hi = 0, len(lines)  # invariant: build(lo) fits (or nothing does)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(build(mid)) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    segments = build(lo)
+    return segments, count(segments), lambda question: build(lo, question)

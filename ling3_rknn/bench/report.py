@@ -39,11 +39,13 @@ def build_report(figures: dict[str, Any], *, executor: str, machine: dict[str, A
         "decode_tok_s": _by_size(runs, "decode_tok_s"),
         "ttft_s": _by_size(runs, "ttft_s"),
         "ms_per_token": _by_size(runs, "ms_per_token"),
+        "prefill_ms_per_token": _by_size(runs, "prefill_ms_per_token"),
         "npu_calls_per_token": {
             "decode": _mean([r["npu_calls_per_token"] for r in runs]),
             "prefill": _mean([r["npu_calls_per_prefill_token"] for r in runs]),
         },
         "prefix_cache": figures["prefix_cache"],
+        "agent_first_request": figures["agent_first_request"],
         "empty_graph": figures["empty_graph"],
         "rss_bytes": rss[0],
         "rss_peak_bytes": rss[1],
@@ -75,11 +77,16 @@ def summary(report: dict[str, Any]) -> str:
             + " / ".join(_fmt(ms.get(k), 2) for k in ("npu_stages", "experts", "cpu_glue",
                                                         "engine")))
     pc = report["prefix_cache"]
+    agent = report["agent_first_request"]
     calls = report["npu_calls_per_token"]
     empty = report["empty_graph"]
     lines += [
         f"agent loop turn 2: {pc['turn2_cached_tokens']} of {pc['turn2_prompt_tokens']} "
         f"prompt tokens cached, {pc['turn2_evaluated_tokens']} evaluated",
+        f"agent first request: {agent['prompt_tokens']} tokens, first token after "
+        f"{_fmt(agent['ttft_s'], 2)} s; next session {_fmt(agent['next_session_ttft_s'], 2)} s "
+        f"({agent['next_session_cached_tokens']} of {agent['next_session_prompt_tokens']} "
+        "cached)",
         f"NPU calls per decoded token {_fmt(calls['decode'])}; empty-graph call "
         f"({empty['stage']}) {_fmt(empty['median_us'], 0)} us median",
         f"RSS {report['rss_bytes'] / 2**20:.0f} MiB (peak {report['rss_peak_bytes'] / 2**20:.0f}"

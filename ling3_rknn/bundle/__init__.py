@@ -39,6 +39,8 @@ from .format import (
     StageName,
     conv_key,
     expert_bias_key,
+    mla_key_basis_key,
+    mla_value_basis_key,
 )
 from .manifest import ExpertsSpec, FileEntry, Manifest, PlacementPlan, StageSpec
 from .reader import STAMP, Bundle, VerifyMode, sha256_file
@@ -80,5 +82,7 @@ __all__ = [
     "VerifyMode",
     "conv_key",
     "expert_bias_key",
+    "mla_key_basis_key",
+    "mla_value_basis_key",
     "sha256_file",
 ]

@@ -50,6 +50,17 @@ def expert_bias_key(layer: int) -> str:
     return f"expert_bias.{layer}"
 
 
+def mla_key_basis_key(layer: int) -> str:
+    """Orthonormal basis of MLA ``layer``'s key subspaces, float32 ``[H, r_kv, d_nope]``
+    (the expanded prefill form, docs/model.md; optional: without it prefill stays absorbed)."""
+    return f"mla_key_basis.{layer}"
+
+
+def mla_value_basis_key(layer: int) -> str:
+    """Orthonormal basis of MLA ``layer``'s value subspaces, float32 ``[H, r_kv, d_v]``."""
+    return f"mla_value_basis.{layer}"
+
+
 # -- stage names ------------------------------------------------------------------------
 StageRole = Literal["in", "out", "expert", "final"]
 

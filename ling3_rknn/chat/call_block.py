@@ -106,3 +106,39 @@ def match_call(text: str, tools: dict[str, ToolSpec], final: bool) -> CallMatch 
         if CLOSE.startswith(rest) or KEY_OPEN.startswith(rest):
             return pending
         return INVALID
+
+
+def cut_call(text: str, tools: dict[str, ToolSpec]) -> ToolCall | None:
+    """The call a block cut short was writing (``text`` follows ``<tool_call>``): a declared
+    name (whole, or the only one the text begins), the complete arguments and the one being
+    written, its value as generated; None before any name. For a turn the grammar kept to
+    valid calls (docs/serving.md 9), where a cut block is a call and never content."""
+    pos = _skip_ws(text, 0)
+    end = _name_end(text, pos)
+    partial = text[pos:end]
+    spec = tools.get(partial)
+    if spec is None:
+        started = [name for name in tools if partial and name.startswith(partial)]
+        if end < len(text) or len(started) != 1:
+            return None
+        spec = tools[started[0]]
+    args: dict = {}
+    pos = _skip_ws(text, end)
+    while text.startswith(KEY_OPEN, pos):
+        start = pos + len(KEY_OPEN)
+        close = text.find(KEY_CLOSE, start)
+        if close < 0:
+            break
+        key = text[start:close]
+        pos = _skip_ws(text, close + len(KEY_CLOSE))
+        if not text.startswith(VALUE_OPEN, pos):
+            break
+        start = pos + len(VALUE_OPEN)
+        close = text.find(VALUE_CLOSE, start)
+        raw = text[start:] if close < 0 else text[start:close]
+        if key and key not in args:
+            args[key] = coerce_value(raw, spec.params.get(key, frozenset()))
+        if close < 0:
+            break
+        pos = _skip_ws(text, close + len(VALUE_CLOSE))
+    return ToolCall(spec.name, args)

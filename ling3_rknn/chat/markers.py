@@ -32,6 +32,17 @@ ANSWER_MARKERS: Final[tuple[str, ...]] = (
     ARG_VALUE_OPEN,
     ARG_VALUE_CLOSE,
 )
+# The markers of a call: the opening one and those that only belong inside a call. Where
+# no call is possible none of them may be sampled; before a lazy call grammar is entered,
+# only the opening one may (docs/serving.md 9).
+CALL_BODY_MARKERS: Final[tuple[str, ...]] = (
+    TOOL_CALL_CLOSE,
+    ARG_KEY_OPEN,
+    ARG_KEY_CLOSE,
+    ARG_VALUE_OPEN,
+    ARG_VALUE_CLOSE,
+)
+CALL_MARKERS: Final[tuple[str, ...]] = (TOOL_CALL_OPEN, *CALL_BODY_MARKERS)
 # Every marker the template writes: never produced from TEXT, even where a tokenizer file
 # marks one non-special (e.g. Qwen-style files mark <think> "special": false).
 CONTROL_MARKERS: Final[tuple[str, ...]] = (

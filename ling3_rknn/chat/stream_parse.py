@@ -19,6 +19,8 @@ the same result. Rules (docs/serving.md section 3):
   text: one ``\\n`` before a call (kept when the content before the first call is nothing but
   newlines and there is reasoning, because the template then writes exactly one ``\\n``), and
   whitespace between calls or after the last one. Other text after a call is content.
+* with ``cut_calls=True`` (a turn whose calls a grammar keeps valid) a block the end of the
+  turn cut short is the call it was writing (``call_block.cut_call``), never content.
 * a ``<|role_end|>`` spelled as text at the very end is dropped; anywhere else it is text.
 * nothing is emitted that could still change: a suffix that may start a marker is held back.
 """
@@ -34,6 +36,7 @@ from .call_block import (
     OPEN,
     VALUE_CLOSE,
     CallMatch,
+    cut_call,
     match_call,
 )
 from .events import (
@@ -69,9 +72,12 @@ class StreamingParser:
 
     def __init__(
         self, tools: Any = None, *, thinking: bool = True, parallel_tool_calls: bool = True,
-        calls_only_first: bool = False,
+        calls_only_first: bool = False, cut_calls: bool = False,
     ) -> None:
         self._tools = tool_table(tools)
+        # Under a grammar a block cut by max_tokens is a call, returned as far as it got
+        # (OpenAI returns a cut call with finish_reason "length" too), never content.
+        self._cut_calls = cut_calls
         self._thinking = thinking
         self._parallel = parallel_tool_calls
         # A response format's answer is JSON or calls (chat/turn_grammar.py): once content
@@ -248,6 +254,15 @@ class StreamingParser:
             self._may_park = "<" not in self._buf[-(len(VALUE_CLOSE) - 1) :]
             return False
         if verdict is NEED_MORE:
+            return False
+        if verdict is INVALID and final and self._cut_calls:
+            cut = cut_call(self._buf, self._tools)
+            self._sep = ""
+            if cut is not None:
+                self._events.append(ToolCallParsed(len(self._calls), cut))
+                self._calls.append(cut)
+            self._buf = ""
+            self._state = "after_call"
             return False
         if verdict is INVALID:
             self._push_content(OPEN, hold_newline=False)

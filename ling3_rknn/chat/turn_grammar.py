@@ -23,7 +23,13 @@ Choices that keep what the grammar allows inside what ``StreamingParser`` accept
   every other parameter is JSON for its schema, compiled by llguidance's JSON-schema
   compiler, compact (``", "`` and ``": "``) so a weak model cannot run away in whitespace;
 * schema problems are the client's 400 only for the tools it requires (or declares strict)
-  and the response format; the other tools of an "auto" turn fall back to free arguments.
+  and the response format; the other tools of an "auto" turn fall back to free arguments;
+* plain ``auto`` gets a *lazy* grammar (``lazy``): the answer is free until the model opens a
+  call, and from that ``<tool_call>`` on the call is the ``required`` grammar (a declared tool,
+  arguments valid for its schema), so a call to an undeclared tool cannot be written;
+* a forced call's raw-string arguments without ``maxLength`` get a length bound derived from
+  the answer's token budget (``with_budget``), so a model that never closes a string still
+  ends the call; ``GrammarText.bounds`` says which, so a value cut there reads as "length".
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ class GrammarText:
 
     lark: str
     parts: Mapping[str, str] = field(default_factory=dict)  # rule name -> request part
+    # tool name -> {parameter: the length bound the budget gave it} (``with_budget``)
+    bounds: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def part_at_line(self, line: int) -> str | None:
         """The request part whose rule is on 1-based ``line`` of ``lark``."""
@@ -118,6 +126,34 @@ class TurnGrammar:
     allowed_tools: tuple[str, ...] | None = None  # callable subset of the declared tools
     # Lenient tools whose schema the constraint library refused: free arguments for them.
     free_tools: frozenset[str] = frozenset()
+    # Plain "auto": only the calls, entered at their opening marker (``trigger``); the text
+    # before a call is free (docs/serving.md 9).
+    lazy: bool = False
+    # Output tokens the answer may take (``with_budget``): bounds a forced call's strings.
+    string_budget: int | None = None
+
+    @property
+    def trigger(self) -> str | None:
+        """The marker whose sampling enters this grammar (lazy), else None: the grammar
+        holds from the first token of the answer."""
+        return markers.TOOL_CALL_OPEN if self.lazy else None
+
+    @property
+    def forces_calls(self) -> bool:
+        """Every answer is calls the client demanded (required, named, allowed_tools)."""
+        return (self.forced_tool is not None or self.tool_choice == "required"
+                or self.allowed_tools is not None)
+
+    def with_budget(self, tokens: int) -> TurnGrammar:
+        """This grammar for an answer of at most ``tokens`` tokens: a forced call's raw
+        strings without ``maxLength`` are bounded (``string_bound``); others unchanged."""
+        if not self.forces_calls or tokens == self.string_budget:
+            return self
+        return dataclasses.replace(self, string_budget=tokens)
+
+    def bounds(self) -> Mapping[str, Mapping[str, int]]:
+        """Tool name -> {parameter: length bound} set by the budget (empty without one)."""
+        return self._template.bounds
 
     def relaxed(self, part: str | None) -> TurnGrammar | None:
         """This grammar with free arguments for the tool ``part`` names, when that tool's
@@ -150,7 +186,8 @@ class TurnGrammar:
                 raise GrammarError("tokenizer", f"{marker} is not a token of this model")
             return str(int(token_id))
 
-        return GrammarText(_PLACEHOLDER.sub(token, template.lark), template.parts)
+        return GrammarText(_PLACEHOLDER.sub(token, template.lark), template.parts,
+                           template.bounds)
 
     @functools.cached_property
     def _template(self) -> GrammarText:
@@ -168,10 +205,12 @@ def turn_grammar(
     thinking: bool = True,
     response_schema: dict[str, Any] | None = None,
     allowed_tools: Sequence[str] | None = None,
+    lazy_calls: bool = True,
 ) -> TurnGrammar | None:
-    """The turn's grammar, or None where the answer is free (plain ``auto`` with parallel
-    calls allowed, or ``none``, without a response format): those stay unconstrained.
-    Raises GrammarError naming the request part that cannot be served."""
+    """The turn's grammar, or None where the answer is free (``none`` or no tools, without
+    a response format). Plain ``auto`` with tools gets the lazy grammar of its calls
+    (``lazy_calls=False``: None, unconstrained as before). Raises GrammarError naming the
+    request part that cannot be served."""
     tools = tuple(tools or ())
     if forced_tool is not None and not any(_function(t).get("name") == forced_tool
                                            for t in tools):
@@ -196,7 +235,14 @@ def turn_grammar(
         and (not parallel_tool_calls or strict or allowed_tools is not None)
     )
     if not calls_constrained and response_schema is None:
-        return None
+        if not (lazy_calls and tools and tool_choice == "auto"):
+            return None
+        lazy = TurnGrammar(tools, "auto", None, parallel_tool_calls, thinking, lazy=True)
+        try:  # every tool is lenient here: a schema problem gives free arguments
+            lazy._template  # noqa: B018 (builds and caches the template)
+        except (GrammarError, TypeError, AttributeError, ValueError):
+            return None  # what used to be served unconstrained never becomes a 400
+        return lazy
     grammar = TurnGrammar(
         tools if tool_choice != "none" else (),
         tool_choice, forced_tool, parallel_tool_calls, thinking, response_schema,
@@ -214,6 +260,40 @@ def _strict_tools(spec: TurnGrammar) -> set[Any]:
     forced = spec.forced_tool is not None or spec.tool_choice == "required"
     return {_function(t).get("name") for t in spec.tools
             if forced or _function(t).get("strict") is True}
+
+
+# A forced call's raw string without maxLength gets at most this share of the answer's
+# token budget: the budget over (its unbounded strings + 1), rounded down to a power of two
+# so successive turns share one compiled grammar, and never under MIN_STRING_BOUND
+# (docs/serving.md 9).
+MIN_STRING_BOUND = 16
+
+
+def string_bound(budget: int, unbounded: int) -> int:
+    """The length bound of each of ``unbounded`` raw strings of one call in ``budget``
+    output tokens."""
+    share = max(MIN_STRING_BOUND, budget // (unbounded + 1))
+    return 1 << (share.bit_length() - 1)
+
+
+def _unbounded_string(schema: Any) -> bool:
+    """A parameter written as free raw text (``text``): a plain string (or any value) with
+    no ``maxLength``, ``enum``, ``const``, ``pattern``, ``format`` or ``minLength`` over 1
+    (those are lexemes of their own, left as they are)."""
+    if schema is True:
+        return True
+    if not isinstance(schema, dict):
+        return False
+    types = json_types(schema)
+    if types and types != {"string"}:
+        return False
+    if not types and set(schema) - _ANNOTATIONS:
+        return False
+    limiting = {"maxLength", "enum", "const", "pattern"} & set(schema)
+    fmt = schema.get("format")
+    low = schema.get("minLength", 0)
+    long_minimum = isinstance(low, int | float) and not isinstance(low, bool) and low > 1
+    return not limiting and not long_minimum and not (isinstance(fmt, str) and fmt in _FORMATS)
 
 
 def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -269,16 +349,20 @@ class _Builder:
         self._rules: list[str] = []
         self._parts: dict[str, str] = {}
         self._regex_deadline = time.monotonic() + _REGEX_BUDGET_S
+        self._bound: int | None = None  # the current call's raw-string bound
+        self._tool = ""  # the tool whose call is being built
+        self._bounds: dict[str, dict[str, int]] = {}
 
     def build(self) -> GrammarText:
         spec = self._spec
         answer = self._answer()
-        if spec.thinking:
+        if spec.thinking and not spec.lazy:  # a lazy grammar starts at a call's marker
             self._rule("start", f"text? {self._token(markers.THINK_CLOSE)} {answer}")
         else:
             self._rule("start", answer)
         self._rules.extend(_FREE_TEXT)
-        return GrammarText("\n".join(self._rules) + "\n", dict(self._parts))
+        return GrammarText("\n".join(self._rules) + "\n", dict(self._parts),
+                           {k: dict(v) for k, v in self._bounds.items()})
 
     # -- structure -------------------------------------------------------------------
 
@@ -299,7 +383,7 @@ class _Builder:
             json_body = self._json("content", spec.response_schema,
                                    "response_format.json_schema.schema")
         forced = spec.forced_tool is not None or spec.tool_choice == "required"
-        if forced:
+        if forced or spec.lazy:
             assert calls is not None
             return calls
         if json_body is not None:
@@ -321,6 +405,8 @@ class _Builder:
         params = _function(tool).get("parameters") or {}
         self._lenient = name not in self._strict
         mark = len(self._rules), dict(self._parts)
+        self._bound = self._string_bound(params)
+        self._tool = name
         try:
             if name in self._spec.free_tools:
                 raise GrammarError(where, "the constraint library refused this schema")
@@ -332,6 +418,7 @@ class _Builder:
                 raise GrammarError(f"{where}.parameters", f"malformed schema ({exc})") from exc
             del self._rules[mark[0]:]
             self._parts = mark[1]
+            self._bounds.pop(name, None)
             args = self._free_arguments(index)
         rule = f"call_{index}"
         body = [self._token(markers.TOOL_CALL_OPEN), _literal(name), '"\\n"']
@@ -340,6 +427,18 @@ class _Builder:
         body += ['"\\n"', self._token(markers.TOOL_CALL_CLOSE)]
         self._rule(rule, " ".join(body))
         return rule
+
+    def _string_bound(self, params: Any) -> int | None:
+        """The bound of this call's unbounded raw strings under the budget, else None."""
+        budget = self._spec.string_budget
+        if budget is None or not self._spec.forces_calls or not isinstance(params, dict):
+            return None
+        properties = params.get("properties")
+        if not isinstance(properties, dict):
+            return None
+        unbounded = sum(1 for schema in properties.values()
+                        if _unbounded_string(resolve_ref(schema, params)))
+        return string_bound(budget, unbounded) if unbounded else None
 
     def _arguments(self, index: int, params: Mapping[str, Any], where: str) -> str:
         if not isinstance(params, dict):
@@ -363,8 +462,10 @@ class _Builder:
                 raise GrammarError(f"{where}.parameters.properties",
                                    f"parameter name {key!r} cannot be written in a call")
             part = f"{where}.parameters.properties.{key}"
-            value, may_be_empty = self._value(f"v_{index}_{j}", resolve_ref(schema, params),
-                                              params, part)
+            resolved = resolve_ref(schema, params)
+            value, may_be_empty = self._value(f"v_{index}_{j}", resolved, params, part)
+            if self._bound is not None and _unbounded_string(resolved):
+                self._bounds.setdefault(self._tool, {})[key] = self._bound
             rule = f"a_{index}_{j}"
             self._rule(rule, " ".join(piece for piece in [
                 self._token(markers.ARG_KEY_OPEN), _literal(key),
@@ -403,6 +504,8 @@ class _Builder:
         if types == {"string"}:
             return self._raw_string(rule, schema, part)
         if not types and not (set(schema) - _ANNOTATIONS):
+            if self._bound is not None:  # any value, bounded as a raw string is
+                return self._bounded_text(rule), True
             return "text", True  # any value: raw text, read as JSON where it parses
         return self._json(rule, _embedded(schema, root), part), False
 
@@ -429,6 +532,8 @@ class _Builder:
         if hi == 0:
             return "", True
         if lo <= 1 and hi is None and not regexes:
+            if self._bound is not None:
+                return self._bounded_text(rule), lo == 0
             return "text", lo == 0
         pieces = ["/(?s:.+)/", _NO_MARKER]
         if lo > 1 or hi is not None:
@@ -438,6 +543,14 @@ class _Builder:
         self._rules.append(f"{lexeme}: {' & '.join(pieces)}")
         self._parts[lexeme] = part
         return lexeme, lo == 0 and fmt is None and self._search(pattern, "", part, unreadable=False)
+
+    def _bounded_text(self, rule: str) -> str:
+        """Free text of at most ``self._bound`` tokens: llguidance ends the lexeme there
+        (``max_tokens`` applies to a rule of one terminal), and the value closes."""
+        if not any(r.startswith("TEXT_RUN:") for r in self._rules):
+            self._rules.append("TEXT_RUN: PLAIN LT* | LT+")
+        self._rule(f"{rule}[max_tokens={self._bound}]", "TEXT_RUN")
+        return rule
 
     def _string_choice(self, rule: str, schema: Mapping[str, Any], part: str, lo: int,
                        hi: int | None, pattern: str | None, fmt: str | None) -> tuple[str, bool]:

@@ -70,12 +70,16 @@ class GrammarSource(Protocol):
 
     def lark(self, token_ids: Mapping[str, int]) -> GrammarText: ...
 
+    # Optional (``chat.TurnGrammar`` has both): ``trigger``, the marker whose sampling
+    # enters a lazy grammar (None: it holds from the first token), and
+    # ``with_budget(tokens)``, the grammar for an answer of at most that many tokens.
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: Sequence[SegmentLike]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None  # None: up to the context limit
+    max_tokens: int | None = None  # None: the engine's default cap, else the context limit
     stop: Sequence[str] = ()
     # Makes the parser of this turn (``ling3_rknn.chat.StreamingParser``). With one the
     # engine emits what it makes of the text (reasoning, content, tool calls) instead of
@@ -86,6 +90,9 @@ class GenerationRequest:
     # Constrained decoding: every sampled token must continue this grammar (the engine
     # masks the logits before temperature, top-k and top-p). None: unconstrained.
     grammar: GrammarSource | None = None
+    # Markers (special-token spellings) never sampled in this answer, or, with a lazy
+    # grammar, never before its trigger: the call markers where no call is possible.
+    banned_markers: Sequence[str] = ()
 
 
 class EngineError(Exception):

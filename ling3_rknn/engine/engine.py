@@ -34,6 +34,7 @@ from .api import (
     SamplingParams,
     SegmentLike,
 )
+from .call_guard import BanRows, LazyCalls, MarkerBan
 from .grammar_constraint import DEFAULT_GRAMMAR_CACHE_BYTES, GrammarCompiler
 from .prefix_cache import PrefixCache
 from .prompt_encoder import PromptEncoder
@@ -44,6 +45,10 @@ from .snapshot_store import SnapshotStore, model_fingerprint
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 2 << 30  # 2 GiB: ~100 snapshots of the real model's ~20 MB state
+# Output tokens of a request that names no max_tokens (``serve --default-max-tokens``): at
+# ~20 tokens/s on the board, a runaway answer holds the single stream ~3.5 minutes instead
+# of the ~27 a 32K context would take (README, "Serving").
+DEFAULT_MAX_TOKENS = 4096
 
 
 class Engine:
@@ -67,9 +72,12 @@ class Engine:
         snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
         eos_token_ids: Sequence[int] = (),
         grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+        default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ) -> None:
         if max_context < 2:
             raise ValueError("max_context must be at least 2")
+        if default_max_tokens is not None and default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1 (None: no cap)")
         if max_queue < 1:
             raise ValueError("max_queue must be at least 1")
         if prefill_chunk < 1:
@@ -77,6 +85,9 @@ class Engine:
         self.model_id = model_id
         self.max_context = max_context
         self._defaults = generation_defaults
+        # A request without max_tokens gets this cap: one runaway answer would otherwise
+        # hold the single-stream device until the context is full (README, "Serving").
+        self.default_max_tokens = default_max_tokens
         self._max_queue = max_queue
         self._tokenizer = tokenizer
         self._encoder = PromptEncoder(tokenizer, _eos_text(tokenizer))
@@ -89,6 +100,7 @@ class Engine:
         self._counters = Counters()
         self._grammars = GrammarCompiler(tokenizer, cache_bytes=grammar_cache_bytes)
         self._grammars.prepare()
+        self._ban_rows = BanRows()
         self._runner = Runner(
             model,
             tokenizer,
@@ -199,9 +211,17 @@ class Engine:
                 raise InvalidRequest("the prompt is empty")
             if len(prompt.ids) >= self.max_context:
                 raise ContextLengthExceeded(len(prompt.ids), self.max_context)
+            # The answer's token budget: what the client asked (or the default cap),
+            # never more than the room the prompt leaves.
+            room = self.max_context - len(prompt.ids)
+            wanted = request.max_tokens if request.max_tokens is not None else (
+                self.default_max_tokens)
+            budget = room if wanted is None else min(wanted, room)
             constraint = None
             if request.grammar is not None:
-                constraint = await asyncio.to_thread(self._grammars.compile, request.grammar)
+                constraint = await asyncio.to_thread(self._constraint, request, budget)
+            elif request.banned_markers:
+                constraint = MarkerBan(self._ban_rows, self._marker_ids(request.banned_markers))
             loop = asyncio.get_running_loop()
             events: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
 
@@ -212,7 +232,7 @@ class Engine:
                     job.cancel.set()
 
             job = Job(
-                prompt, settings, request.max_tokens, stops, emit,
+                prompt, settings, budget, stops, emit,
                 parser=request.parser, constraint=constraint,
             )
             with self._admission:
@@ -246,6 +266,35 @@ class Engine:
         floor = -(-sum(len(seg.text) for seg in prompt) // longest)
         if floor >= self.max_context:
             raise ContextLengthExceeded(floor, self.max_context, at_least=True)
+
+    def _constraint(self, request: GenerationRequest, budget: int) -> Any:
+        """The request's per-token constraint (worker-thread objects, built off the loop):
+        its grammar for ``budget`` tokens, entered at its trigger when it is lazy."""
+        grammar = request.grammar
+        with_budget = getattr(grammar, "with_budget", None)
+        if with_budget is not None:
+            grammar = with_budget(budget)
+        trigger = getattr(grammar, "trigger", None)
+        if trigger is None:
+            return self._grammars.compile(grammar)
+        ban = MarkerBan(self._ban_rows, self._marker_ids(request.banned_markers))
+        trigger_id = self._tokenizer_ids().get(trigger)
+        try:
+            if trigger_id is None:
+                raise InvalidRequest(f"{trigger} is not a token of this model")
+            compiled = self._grammars.compile(grammar)
+        except InvalidRequest as exc:
+            # A lazy grammar only guards what used to be free: it never refuses a request.
+            log.warning("engine: calls stay unconstrained for this request: %s", exc)
+            return ban
+        return LazyCalls(compiled, int(trigger_id), ban)
+
+    def _tokenizer_ids(self) -> Mapping[str, int]:
+        return getattr(self._tokenizer, "special_ids", None) or {}
+
+    def _marker_ids(self, spellings: Sequence[str]) -> list[int]:
+        ids = self._tokenizer_ids()
+        return [int(ids[m]) for m in spellings if m in ids]
 
     def encode_prompt(self, segments: Sequence[SegmentLike]) -> list[int]:
         """The ids the engine would evaluate for ``segments``, generated-id splices included
@@ -310,9 +359,8 @@ class Engine:
             try:
                 if not job.cancel.is_set():
                     self._runner.run(job)
-                else:  # its consumer left while it was queued: cancelled all the same
-                    with self._counters.lock:
-                        self._counters.cancelled += 1
+                else:  # its client left while it waited: cancelled all the same
+                    self._runner.count_cancelled()
             except BaseException as exc:  # keep the worker alive whatever happens
                 log.exception("engine: request failed unexpectedly")
                 job.emit(EngineFailure(f"internal error: {type(exc).__name__}: {exc}"))

@@ -21,10 +21,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import llguidance
 import numpy as np
+
+from ling3_rknn.chat import markers
 
 from .api import GrammarSource, InvalidRequest
 
@@ -185,7 +188,18 @@ class GrammarCompiler:
                 raise error
             text = self._text(source)
         self._keep(key, start)
-        return TokenConstraint(start.deep_copy(), ll.vocab_size)
+        return TokenConstraint(start.deep_copy(), ll.vocab_size, self._value_bound(text))
+
+    def _value_bound(self, text: Any) -> ValueBound | None:
+        """How to tell that a budget bound cut a string value (``chat.GrammarText.bounds``):
+        the smallest bound and the ids that open and close a value."""
+        bounds = [b for per_tool in (getattr(text, "bounds", None) or {}).values()
+                  for b in per_tool.values()]
+        ids = self._tokenizer.special_ids
+        if not bounds or markers.ARG_VALUE_OPEN not in ids or markers.ARG_VALUE_CLOSE not in ids:
+            return None
+        return ValueBound(min(bounds), int(ids[markers.ARG_VALUE_OPEN]),
+                          int(ids[markers.ARG_VALUE_CLOSE]))
 
     def _keep(self, key: str, matcher: llguidance.LLMatcher) -> None:
         """Cache ``matcher`` under the text the request asked for, then evict the least
@@ -232,12 +246,25 @@ _BYTE_BIAS = np.where(
 ).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class ValueBound:
+    """A budget bound on string values (in tokens) and the markers around a value."""
+
+    tokens: int
+    open_id: int
+    close_id: int
+
+
 class TokenConstraint:
     """One request's grammar state; used only by the engine's worker thread."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int,
+                 value_bound: ValueBound | None = None) -> None:
         self._matcher = matcher
         self._words = np.empty((vocab_size + 31) // 32, np.int32)
+        self._bound = value_bound
+        self._run: int | None = None  # tokens of the value being written, None outside one
+        self.cut_by_bound = False  # a string value reached the budget's bound (was cut)
 
     def _failed(self, what: str) -> Exception:
         """The matcher broke mid-answer (a limit of the library, reached by what this answer
@@ -266,12 +293,30 @@ class TokenConstraint:
         too), which the engine evaluates in one model call instead of sampling one by one."""
         if not self._matcher.consume_token(int(token_id)):
             raise self._failed(f"token {token_id} does not continue the answer")
+        self._track(token_id)
         if self._matcher.is_stopped():
             return []
         forced = list(self._matcher.compute_ff_tokens())
         if forced and not self._matcher.consume_tokens(forced):
             raise self._failed("the forced tokens were rejected")
+        for token in forced:
+            self._track(token)
         return forced
+
+    def _track(self, token_id: int) -> None:
+        """Count the tokens of each argument value; one that reaches the bound was cut
+        there by the grammar (llguidance ends the lexeme at ``max_tokens``)."""
+        bound = self._bound
+        if bound is None:
+            return
+        if token_id == bound.open_id:
+            self._run = 0
+        elif token_id == bound.close_id:
+            if self._run is not None and self._run >= bound.tokens:
+                self.cut_by_bound = True
+            self._run = None
+        elif self._run is not None:
+            self._run += 1
 
     @property
     def accepting(self) -> bool:

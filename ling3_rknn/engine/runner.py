@@ -30,6 +30,7 @@ import numpy as np
 from ling3_rknn.chat.events import Finished, FinishReason, GenerationEvent, TextDelta, Usage
 
 from .api import EngineFailure, InvalidRequest, TurnParser
+from .call_guard import LazyCalls, MarkerBan
 from .grammar_constraint import TokenConstraint
 from .parsed_turn import ParsedTurn
 from .prefix_cache import PrefixCache
@@ -81,12 +82,13 @@ class Job:
 
     prompt: EncodedPrompt
     settings: SamplerSettings
-    max_tokens: int | None
+    max_tokens: int | None  # the answer's token budget (already clamped to the room)
     stops: tuple[str, ...]
     emit: Callable[[GenerationEvent | BaseException], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     parser: Callable[[], TurnParser] | None = None
-    constraint: TokenConstraint | None = None  # the grammar every token must continue
+    # the grammar every token must continue, or a marker ban (``call_guard``)
+    constraint: TokenConstraint | MarkerBan | LazyCalls | None = None
 
 
 @dataclass
@@ -218,8 +220,7 @@ class Runner:
             )
             decoded = self._decode(job, logits, depth)
         except Cancelled:
-            with self._counters.lock:
-                self._counters.cancelled += 1
+            self.count_cancelled()
             return
         except (EngineFailure, InvalidRequest) as exc:  # the latter: a grammar broke mid-way
             job.emit(exc)
@@ -235,6 +236,10 @@ class Runner:
         job.emit(decoded.finished)
         if remembered is not None:
             self._snapshot_turn(*remembered)
+
+    def count_cancelled(self) -> None:
+        with self._counters.lock:
+            self._counters.cancelled += 1
 
     def _resume(self, ids: list[int]) -> tuple[int, np.ndarray | None]:
         hit = self._cache.lookup(ids) if self._cache is not None else None
@@ -258,15 +263,19 @@ class Runner:
         The first boundary ends the system/tools header (shared by every conversation with
         the same tools); the last two start the final messages (an edited or regenerated
         last turn resumes there). Boundaries closer than ``checkpoint_min_tokens`` to the
-        resume point, to each other or to the end of the prompt are skipped."""
+        resume point, to each other or to the end of the prompt are skipped, except the
+        header's from the end: an agent's next session sends the same header with a new,
+        often short, question, and must find the header cached."""
         gap = self._options.checkpoint_min_tokens
         boundaries = [p + 1 for p, t in enumerate(ids[:-1]) if t == self._eos_id]
+        header = boundaries[0] if boundaries else None
         chosen: list[int] = []
         for p in sorted(set(boundaries[:1] + boundaries[-2:])):
             if p <= depth:
                 continue
             last = chosen[-1] if chosen else depth
-            if p - last >= gap and len(ids) - p >= gap and p not in chosen:
+            room = len(ids) - p >= gap or p == header
+            if p - last >= gap and room and p not in chosen:
                 chosen.append(p)
         return [*chosen, len(ids)]
 
@@ -370,7 +379,10 @@ class Runner:
         for event in turn.finish():
             job.emit(event)
         text = "".join(pieces)
-        finish: FinishReason = "length" if reason == "length" else "stop"
+        # A string value the budget's bound cut (docs/serving.md 9) is a truncated answer
+        # too, however the turn then ended.
+        cut = constraint is not None and constraint.cut_by_bound
+        finish: FinishReason = "length" if reason == "length" or cut else "stop"
         usage = Usage(len(ids), len(generated), depth, turn.reasoning_tokens)
         # Generated ids the model has not evaluated: the last one, or the tail of a batch of
         # grammar-forced ids the limit cut (never evaluated, so the end-of-turn feeds them).

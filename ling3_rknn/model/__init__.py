@@ -11,10 +11,12 @@ Three layers of code, so the NPU work can be swapped in without touching the CPU
    lm_head.
 2. CPU glue, which stays on the CPU on the board: ``kda.py`` (short conv + delta-rule
    recurrence, per-token and chunked), ``mla.py`` (RoPE + absorbed attention over the
-   latent cache), ``moe.py`` (group-limited routing), ``state.py`` (per-sequence state and
-   block-shared snapshots). A decode token's KDA step and MLA attention also exist as C
-   kernels (``kda_decode.c``, ``mla_decode.c``) that ``native.py`` builds on the machine
-   and loads; the numpy functions stay the reference and the fallback.
+   latent cache), ``mla_expanded.py`` (a prefill's attention with per-head keys and values,
+   3.4x fewer FLOPs, from projected rows kept only through the prefill), ``moe.py``
+   (group-limited routing), ``state.py`` (per-sequence state and block-shared snapshots).
+   A decode token's KDA step and MLA attention, and a prefill chunk's MLA attention, also
+   exist as C kernels (``kda_decode.c``, ``mla_attention.c``) that ``native.py`` builds on
+   the machine and loads; the numpy functions stay the reference and the fallback.
 3. ``model.py``: the forward loop. It calls the stages through the ``StageBackend`` seam
    (``backend.py``: ``NumpyStages`` from a checkpoint; ``bundle_stages.GraphStages``, one
    NPU / onnxruntime graph per stage, from a bundle) and the routed experts through the

@@ -12,12 +12,22 @@ from typing import Literal
 
 import numpy as np
 
-from ..bundle import EMBEDDING_KEY, Bundle, BundleError, StageName, conv_key, expert_bias_key
+from ..bundle import (
+    EMBEDDING_KEY,
+    Bundle,
+    BundleError,
+    StageName,
+    conv_key,
+    expert_bias_key,
+    mla_key_basis_key,
+    mla_value_basis_key,
+)
 from ..config import ConfigError, ModelConfig
 from ..npu import GraphExecutor, resolve_rknnlite
 from .bundle_executors import check_not_placeholder, open_experts, open_stage
 from .bundle_stages import BundleExperts, GraphStages
 from .cpu_weights import CpuWeights
+from .mla_expanded import MlaBases
 from .safetensors_file import CheckpointError, SafetensorsFile
 
 ExecutorChoice = Literal["auto", "rknnlite", "mock", "onnx"]
@@ -48,13 +58,33 @@ def _cpu_weights(bundle: Bundle, cfg: ModelConfig) -> tuple[SafetensorsFile, Cpu
         conv = {i: np.ascontiguousarray(f.float32(conv_key(i))) for i in cfg.kda_layers}
         bias = {i: np.array(f.float32(expert_bias_key(i)))
                 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)}
+        bases = _mla_bases(f, cfg)
     except (KeyError, CheckpointError) as exc:
         raise BundleError(f"{bundle.manifest.weights}: {exc}") from exc
     if f.shape(EMBEDDING_KEY) != (cfg.vocab_size, cfg.hidden_size):
         raise BundleError(f"{bundle.manifest.weights}: embedding has shape "
                           f"{list(f.shape(EMBEDDING_KEY))}, config says "
                           f"{[cfg.vocab_size, cfg.hidden_size]}")
-    return f, CpuWeights(conv, bias)
+    return f, CpuWeights(conv, bias, bases)
+
+
+def _mla_bases(f: SafetensorsFile, cfg: ModelConfig) -> dict[int, MlaBases]:
+    """The expanded prefill form's bases, when the bundle has them (converted since they
+    exist; without them prefill attention stays absorbed). Shapes are checked: a basis of
+    the wrong size would silently compute wrong attention."""
+    names = set(f.names())
+    keys = [(i, mla_key_basis_key(i), mla_value_basis_key(i)) for i in cfg.mla_layers]
+    if not all(k in names and v in names for _, k, v in keys):
+        return {}
+    h, r = cfg.num_attention_heads, cfg.kv_lora_rank
+    bases = {}
+    for i, k, v in keys:
+        for name, width in ((k, cfg.qk_nope_head_dim), (v, cfg.v_head_dim)):
+            if f.shape(name) != (h, r, width):
+                raise BundleError(f"weights.safetensors: {name} has shape {list(f.shape(name))}"
+                                  f", config says {[h, r, width]}")
+        bases[i] = MlaBases(np.ascontiguousarray(f.float32(k)), np.ascontiguousarray(f.float32(v)))
+    return bases
 
 
 def load_bundle_parts(bundle: Bundle, executor: ExecutorChoice = "auto", threads: int = 2

@@ -1,11 +1,13 @@
-"""Weights the CPU glue needs and the NPU never sees: KDA conv taps, expert-selection bias."""
+"""Weights the CPU glue needs and the NPU never sees: KDA conv taps, expert-selection bias,
+the MLA key/value bases of the expanded prefill form."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from .mla_expanded import MlaBases, mla_bases
 from .weights import CheckpointWeights
 
 
@@ -16,6 +18,8 @@ class CpuWeights:
 
     conv: dict[int, np.ndarray]  # KDA layer -> conv taps [K, 3P] (tap-major)
     expert_bias: dict[int, np.ndarray]  # MoE layer -> [E]
+    # MLA layer -> bases (mla_expanded.py); empty (an older bundle): prefill stays absorbed
+    mla_bases: dict[int, MlaBases] = field(default_factory=dict)
 
     @classmethod
     def from_checkpoint(cls, w: CheckpointWeights) -> CpuWeights:
@@ -27,4 +31,5 @@ class CpuWeights:
                 for i in range(c.num_hidden_layers)
                 if c.is_moe_layer(i)
             },
+            mla_bases={i: mla_bases(*w.mla_absorbed(i)) for i in c.mla_layers},
         )

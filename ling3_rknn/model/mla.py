@@ -73,8 +73,12 @@ def mla_attention(
     t_len, h, r = q_latent.shape
     q_cat = np.concatenate([q_latent, q_rope], axis=2)
     q_cat = (q_cat * np.float32(scale)).reshape(t_len * h, -1)  # rows: token-major, head-minor
-    ctx = np.empty((t_len * h, r), dtype=np.float32)
     first_pos = length - t_len
+    if t_len > 1:
+        compiled = _prefill_compiled(q_cat, h, blocks, length, first_pos, r, pool, parts)
+        if compiled is not None:
+            return compiled.reshape(t_len, h, r)
+    ctx = np.empty((t_len * h, r), dtype=np.float32)
     for start in range(0, t_len, _QUERY_CHUNK):
         end = min(start + _QUERY_CHUNK, t_len)
         rows = slice(start * h, end * h)
@@ -97,6 +101,26 @@ def mla_attention(
         out /= denom
         ctx[rows] = out.T
     return ctx.reshape(t_len, h, r)
+
+
+def _prefill_compiled(q_cat: np.ndarray, h: int, blocks: Sequence[np.ndarray], length: int,
+                      first_pos: int, r: int, pool: Executor | None, parts: int
+                      ) -> np.ndarray | None:
+    """A prefill chunk's attention on the compiled kernel (``native.mla_prefill``), its
+    16-column tiles shared out over ``pool``'s threads in equal runs (no merge: each tile
+    sees all its keys); None when the kernel cannot take it (the numpy path then does)."""
+    q_pos = first_pos + np.arange(len(q_cat) // h, dtype=np.int64).repeat(h)
+    call = native.mla_prefill(q_cat, q_pos, blocks, length, first_pos + 1, r)
+    if call is None:
+        return None
+    shares = min(parts if pool is not None else 1, call.tiles)
+    bounds = [call.tiles * k // shares for k in range(shares + 1)]
+    futures = [pool.submit(call.run, bounds[k], bounds[k + 1]) for k in range(1, shares)
+               ] if pool is not None else []
+    call.run(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+    return None if call.failed else call.result()
 
 
 def _split(blocks: Sequence[np.ndarray], visible: int, common: int, parts: int

@@ -19,6 +19,7 @@ from .checkpoint import Checkpoint
 from .cpu_weights import CpuWeights
 from .kda import kda_core, kda_decode, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
+from .mla_expanded import PREFILL_SCRATCH_BYTES, expanded_attention
 from .moe import ExpertBackend, NumpyExperts, route
 from .stages import LayerOutput
 from .state import (
@@ -60,6 +61,8 @@ class Model:
         self._layout = StateLayout.from_config(config, latent_dtype)
         self.latent_dtype = latent_dtype  # the MLA latent cache's dtype (state.LATENT_DTYPES)
         self._pool: ThreadPoolExecutor | None = None  # glue split (_split_pool), made on use
+        # bytes one sequence's expanded-prefill rows may take (mla_expanded.py); 0: never
+        self.prefill_scratch_bytes = PREFILL_SCRATCH_BYTES
         native.available()  # load (or build, once per machine) the decode kernels now
 
     @classmethod
@@ -149,11 +152,12 @@ class Model:
         rope = rope_angles(
             np.arange(state.length, end), self.config.qk_rope_head_dim, self.config.rope_theta
         )
+        expanded = self._expanded_prefill(state, len(ids))
         for i, kind in enumerate(self.config.layer_kinds):
             if kind == "kda":
                 out = self._kda_layer(i, x, state)
             else:
-                out = self._mla_layer(i, x, state, rope)
+                out = self._mla_layer(i, x, state, rope, expanded)
             x = out.hidden if out.moe_input is None else self._moe(i, out)
         state.length = end
         state.broken = False
@@ -177,8 +181,19 @@ class Model:
                         pool=self._split_pool(), parts=self.threads)
         return self.stages.kda_output(i, x, core, inp.out_gate)
 
+    def _expanded_prefill(self, state: SequenceState, t: int) -> bool:
+        """Whether this call's MLA attention takes the expanded form (mla_expanded.py). A
+        decode token drops the projected rows: they are prefill scratch."""
+        if t == 1:
+            state.prefill_scratch.clear()
+            return False
+        return state.prefill_scratch.choose(
+            self.cpu.mla_bases, self.config.qk_rope_head_dim, state.length, t,
+            self.prefill_scratch_bytes)
+
     def _mla_layer(
-        self, i: int, x: np.ndarray, state: SequenceState, rope: tuple[np.ndarray, np.ndarray]
+        self, i: int, x: np.ndarray, state: SequenceState, rope: tuple[np.ndarray, np.ndarray],
+        expanded: bool = False,
     ) -> LayerOutput:
         inp = self.stages.mla_input(i, x)
         cos, sin = rope
@@ -186,8 +201,19 @@ class Model:
         k_rope = apply_rope(inp.k_rope, cos, sin)
         cache = state.latents[i]
         cache.append(np.concatenate([inp.latent, k_rope], axis=1))
-        ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length, self._scale,
-                            pool=self._split_pool(), parts=self.threads)
+        ctx = None
+        rows = state.prefill_scratch.rows.get(i) if expanded else None
+        if rows is not None:
+            # rows not projected yet (a cached prefix, an absorbed chunk), then this chunk's,
+            # as the cache stores them (float16 rounded when it is float16)
+            rows.extend(cache.rows(rows.length, cache.length))
+            ctx = expanded_attention(inp.q_latent, q_rope, rows, cache.length, self._scale,
+                                     pool=self._split_pool(), parts=self.threads)
+            if ctx is None:  # the kernel refused: this chunk absorbed, the rows now stale
+                state.prefill_scratch.clear()
+        if ctx is None:
+            ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length,
+                                self._scale, pool=self._split_pool(), parts=self.threads)
         return self.stages.mla_output(i, x, ctx, inp.gate)
 
     def _decode_pool(self) -> ThreadPoolExecutor | None:

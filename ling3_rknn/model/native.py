@@ -1,4 +1,4 @@
-"""The compiled decode kernels (``mla_decode.c``, ``kda_decode.c``), built and loaded here.
+"""The compiled glue kernels (``mla_attention.c``, ``kda_decode.c``), built and loaded here.
 
 The C sources ship with the package; the first model load on a machine compiles them with
 its C compiler for that machine (``-march=native``, as llama.cpp builds by default: the
@@ -36,13 +36,15 @@ from ..paths import state_directory
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("mla_decode.c", "kda_decode.c")
+SOURCES = ("mla_attention.c", "kda_decode.c")
 HEADERS = ("native_vec.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared")
 BUILD_TIMEOUT_S = 300
-ABI = 2  # LING3_NATIVE_ABI in native_vec.h: a library built from other sources is refused
-_MLA_GROUP = 64  # mla_decode.c's GROUP: rows scored together
+ABI = 3  # LING3_NATIVE_ABI in native_vec.h: a library built from other sources is refused
+_MLA_GROUP = 64  # mla_attention.c's GROUP: rows scored together
 _MLA_SCRATCH_ROWS = _MLA_GROUP + 2  # its scratch per head: a group's scores, maxes, factors
+_LANES = 16  # mla_attention.c's HEADS: query columns per prefill tile (the vector lanes)
+_TILE_BLOCK = 4  # mla_attention.c's TILE_BLOCK: prefill tiles sharing a group of rows
 
 _library: Any = None  # the ctypes library, once loaded
 _loaded = False
@@ -128,19 +130,23 @@ def _load() -> Any:
         return None
     try:
         lib = ctypes.CDLL(str(path))
-        mla, kda = lib.mla_decode_attend, lib.kda_decode_heads
         abi = lib.ling3_native_abi()
+        if abi != ABI:  # before any other symbol: older sources may lack newer kernels
+            _status = f"{path} is from other sources (ABI {abi}, want {ABI})"
+            log.warning("compiled decode kernels: %s; using numpy", _status)
+            return None
+        mla, kda = lib.mla_decode_attend, lib.kda_decode_heads
+        prefill = lib.mla_prefill_attend
     except (OSError, AttributeError) as exc:
         _status = f"{path} not usable ({exc})"
         log.warning("compiled decode kernels %s; using numpy", _status)
         return None
-    if abi != ABI:
-        _status = f"{path} is from other sources (ABI {abi}, want {ABI})"
-        log.warning("compiled decode kernels: %s; using numpy", _status)
-        return None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     mla.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, i64, i32, ptr, ptr, ptr, ptr]
     mla.restype = i32
+    prefill.argtypes = [ptr, ptr, i32, i32, i32, i32, ptr, ptr, i32, i64, i32, i64, ptr,
+                        ptr]
+    prefill.restype = i32
     kda.argtypes = [ptr, ptr, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, f32,
                     f32, ptr, i32, i32, ptr]
     kda.restype = i32
@@ -170,6 +176,38 @@ def _plain(*arrays: np.ndarray) -> bool:
     return all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
 
 
+class _CacheRows:
+    """The cache rows a kernel reads: block pointers and row counts up to a key position,
+    checked once (float32 or float16, C-ordered rows of one width)."""
+
+    def __init__(self, ptrs: np.ndarray, lengths: np.ndarray, stride: int, half: bool) -> None:
+        self.ptrs, self.lengths, self.stride, self.half = ptrs, lengths, stride, half
+
+    @classmethod
+    def of(cls, blocks: Sequence[np.ndarray], key0: int, visible: int) -> _CacheRows | None:
+        if not blocks:
+            return None
+        ptrs: list[int] = []
+        lengths: list[int] = []
+        dtype = blocks[0].dtype
+        stride = blocks[0].shape[1] if blocks[0].ndim == 2 else 0
+        pos = key0
+        for block in blocks:
+            if pos >= visible:
+                break
+            if (block.dtype != dtype or block.ndim != 2 or block.shape[1] != stride
+                    or block.strides != (dtype.itemsize * stride, dtype.itemsize)):
+                return None
+            n = min(block.shape[0], visible - pos)
+            ptrs.append(block.ctypes.data)
+            lengths.append(n)
+            pos += n
+        if not ptrs or dtype not in (np.float32, np.float16):
+            return None
+        return cls(np.array(ptrs, dtype=np.uintp), np.array(lengths, dtype=np.int64), stride,
+                   dtype == np.float16)
+
+
 def mla_attend(q_t: np.ndarray, blocks: Sequence[np.ndarray], key0: int, visible: int, r: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """``mla._attend`` for one token: q_t [d, heads] (scaled query, head-minor) over the rows
@@ -177,40 +215,83 @@ def mla_attend(q_t: np.ndarray, blocks: Sequence[np.ndarray], key0: int, visible
     ``visible``. Returns (ctx^T [r, heads], denominator, running max), or None when the
     kernel is off or cannot read the blocks (the caller then takes the numpy path)."""
     lib = _load() if _enabled else None
-    if lib is None or not blocks:
+    if lib is None:
         return None
+    rows = _CacheRows.of(blocks, key0, visible)
     d, heads = q_t.shape
-    ptrs: list[int] = []
-    lengths: list[int] = []
-    dtype = blocks[0].dtype
-    stride = blocks[0].shape[1] if blocks[0].ndim == 2 else 0
-    pos = key0
-    for block in blocks:
-        if pos >= visible:
-            break
-        if (block.dtype != dtype or block.ndim != 2 or block.shape[1] != stride
-                or block.strides != (dtype.itemsize * stride, dtype.itemsize)):
-            return None
-        n = min(block.shape[0], visible - pos)
-        ptrs.append(block.ctypes.data)
-        lengths.append(n)
-        pos += n
-    if not ptrs or d > stride or r > d or dtype not in (np.float32, np.float16):
+    if rows is None or d > rows.stride or r > d:
         return None
-    half = dtype == np.float16
     q_t = np.ascontiguousarray(q_t, dtype=np.float32)
     ctx = np.empty((r, heads), dtype=np.float32)
     denom = np.empty(heads, dtype=np.float32)
     run_max = np.empty(heads, dtype=np.float32)
-    scratch = np.empty(_MLA_SCRATCH_ROWS * heads + (_MLA_GROUP * stride if half else 0),
+    scratch = np.empty(_MLA_SCRATCH_ROWS * heads + (_MLA_GROUP * rows.stride if rows.half else 0),
                        dtype=np.float32)
-    block_ptrs = np.array(ptrs, dtype=np.uintp)
-    block_lengths = np.array(lengths, dtype=np.int64)
     status = lib.mla_decode_attend(
-        q_t.ctypes.data, heads, d, r, block_ptrs.ctypes.data, block_lengths.ctypes.data,
-        len(ptrs), stride, int(half), ctx.ctypes.data, denom.ctypes.data,
+        q_t.ctypes.data, heads, d, r, rows.ptrs.ctypes.data, rows.lengths.ctypes.data,
+        len(rows.ptrs), rows.stride, int(rows.half), ctx.ctypes.data, denom.ctypes.data,
         run_max.ctypes.data, scratch.ctypes.data)
     return (ctx, denom, run_max) if status == 0 else None
+
+
+class PrefillAttention:
+    """A prefill chunk's causal attention for ``mla_attention.c``'s ``mla_prefill_attend``:
+    the query columns packed into 16-lane tiles and the cache rows checked once, then
+    ``run(first, stop)`` per share of the tiles (each share may run on its own thread: tiles
+    are independent and write disjoint rows of the result)."""
+
+    def __init__(self, lib: Any, q: np.ndarray, q_pos: np.ndarray, rows: _CacheRows,
+                 mask_from: int, r: int, score_offset: int) -> None:
+        n, d = q.shape
+        self.tiles = -(-n // _LANES)
+        padded = np.zeros((self.tiles * _LANES, d), dtype=np.float32)
+        padded[:n] = q
+        # [tiles, d, 16]: each tile's columns as the lanes of one vector per channel
+        self._q_t = np.ascontiguousarray(padded.reshape(self.tiles, _LANES, d).transpose(0, 2, 1))
+        pos = np.full(self.tiles * _LANES, int(q_pos.max()), dtype=np.int32)  # padding lanes
+        pos[:n] = q_pos
+        self._pos = pos
+        self._lib, self._rows, self._mask_from, self._r, self._n = lib, rows, mask_from, r, n
+        self._offset = score_offset
+        self._ctx_t = np.empty((self.tiles, r, _LANES), dtype=np.float32)
+        self.failed = False
+
+    def run(self, first: int, stop: int) -> None:
+        """Tiles [first, stop)."""
+        if stop <= first:
+            return
+        rows = self._rows
+        scratch = np.empty(_TILE_BLOCK * (_MLA_GROUP + 2) * _LANES + 2 * _LANES
+                           + (_MLA_GROUP * rows.stride if rows.half else 0), dtype=np.float32)
+        d = self._q_t.shape[1]
+        status = self._lib.mla_prefill_attend(
+            self._q_t[first].ctypes.data, self._pos[first * _LANES:].ctypes.data, stop - first,
+            d, self._r, self._offset, rows.ptrs.ctypes.data, rows.lengths.ctypes.data,
+            len(rows.ptrs), rows.stride, int(rows.half), self._mask_from,
+            self._ctx_t[first].ctypes.data, scratch.ctypes.data)
+        if status != 0:
+            self.failed = True
+
+    def result(self) -> np.ndarray:
+        """The normalised context of every column, [columns, r]."""
+        return self._ctx_t.transpose(0, 2, 1).reshape(-1, self._r)[: self._n]
+
+
+def mla_prefill(q: np.ndarray, q_pos: np.ndarray, blocks: Sequence[np.ndarray], visible: int,
+                mask_from: int, r: int, score_offset: int = 0) -> PrefillAttention | None:
+    """A ready ``PrefillAttention`` for query columns ``q`` [n, d] (scaled) at positions
+    ``q_pos`` over the first ``visible`` rows of ``blocks``, rows below ``mask_from`` seen by
+    every column. Scores use a row's channels from ``score_offset`` on, the context its
+    first ``r``. None when the kernel is off or cannot read the blocks."""
+    lib = _load() if _enabled else None
+    if lib is None:
+        return None
+    rows = _CacheRows.of(blocks, 0, visible)
+    n, d = q.shape
+    if rows is None or score_offset + d > rows.stride or r > rows.stride or n == 0:
+        return None
+    return PrefillAttention(lib, np.asarray(q, dtype=np.float32), q_pos, rows, mask_from, r,
+                            score_offset)
 
 
 class KdaDecodeCall:

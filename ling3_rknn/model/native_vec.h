@@ -17,7 +17,7 @@
 
 /* Bumped with every change to a kernel's signature or meaning: native.py refuses a library
  * whose number differs (one built from older sources), instead of calling it wrongly. */
-#define LING3_NATIVE_ABI 2
+#define LING3_NATIVE_ABI 3
 
 #define VF_LANES 16
 typedef float vf16 __attribute__((vector_size(VF_LANES * sizeof(float))));

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from .kda import RecurrentState
+from .mla_expanded import PrefillScratch
 
 BLOCK_TOKENS = 256
 # The MLA latent cache is float32, or float16 at half the memory: rows are rounded once when
@@ -109,6 +110,13 @@ class LatentCache:
         if self._tail_len:
             return [*self._frozen, self._tail[: self._tail_len]]
         return list(self._frozen)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) as one array (a copy)."""
+        first, last = start // BLOCK_TOKENS, -(-stop // BLOCK_TOKENS)
+        joined = np.concatenate(self.blocks()[first:last]) if stop > start else \
+            np.empty((0, self.width), self.dtype)
+        return joined[start - first * BLOCK_TOKENS: stop - first * BLOCK_TOKENS]
 
     def snapshot(self) -> LatentSnapshot:
         partial = self._tail[: self._tail_len].copy()
@@ -238,6 +246,8 @@ class SequenceState:
         }
         self.latents = {i: LatentCache(self.layout.latent_width, dtype=self.layout.latent_dtype)
                         for i in self.layout.mla_layers}
+        # MLA rows projected for the expanded prefill form: transient, never in a snapshot
+        self.prefill_scratch = PrefillScratch()
         self.broken = False
 
     def snapshot(self) -> StateSnapshot:
@@ -264,6 +274,7 @@ class SequenceState:
             self.latents[i] = LatentCache(self.layout.latent_width, s.frozen, s.partial,
                                           dtype=self.layout.latent_dtype)
         self.length = snapshot.length
+        self.prefill_scratch.clear()
         self.broken = False
 
     def check_usable(self) -> None:

@@ -109,14 +109,27 @@ def turn_grammar(request: ChatRequest) -> chat.TurnGrammar | None:
         raise invalid_request(str(exc), param=exc.part) from None
 
 
+def banned_markers(request: ChatRequest, grammar: chat.TurnGrammar | None) -> tuple[str, ...]:
+    """Markers the answer may not sample (docs/serving.md 9): every call marker where no
+    call is possible (no tools, ``tool_choice: "none"``), the ones that only belong inside
+    a call before a lazy grammar's trigger; a full grammar needs none."""
+    if grammar is not None and grammar.trigger is None:
+        return ()
+    if grammar is not None:
+        return markers.CALL_BODY_MARKERS
+    return markers.CALL_MARKERS if callable_tools(request) is None else ()
+
+
 def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> GenerationRequest:
     # A turn the grammar makes all calls (tool_choice required or named) ends where the
     # grammar says: a stop string would cut a call and hand its markup back as content.
     forced = request.tool_choice == "required" and bool(request.tools)
     grammar = turn_grammar(request)
+    lazy = grammar is not None and grammar.trigger is not None
     # Under a grammar free text cannot spell the end-of-turn marker, but a JSON string may:
-    # that stop string would only cut valid JSON short.
-    stops = [*(() if forced else request.stop), *(() if grammar else (END_OF_TURN_TEXT,))]
+    # that stop string would only cut valid JSON short. A lazy grammar leaves text free.
+    stops = [*(() if forced else request.stop),
+             *(() if grammar and not lazy else (END_OF_TURN_TEXT,))]
     return GenerationRequest(
         prompt=prompt,
         sampling=request.sampling,
@@ -128,8 +141,10 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
             thinking=request.enable_thinking,
             parallel_tool_calls=request.parallel_tool_calls,
             calls_only_first=request.response_schema is not None,
+            cut_calls=grammar is not None,
         ),
         grammar=grammar,
+        banned_markers=banned_markers(request, grammar),
     )
 
 
@@ -183,6 +198,8 @@ class Completion:
             return "required"
         if r.response_schema is not None:
             return "response_format"
+        if self._generation_request.grammar.trigger is not None:
+            return "auto"  # the lazy grammar of plain auto's calls
         return "tools"  # auto with parallel_tool_calls false or a strict tool
 
     async def start(self) -> None:
@@ -227,6 +244,8 @@ class Completion:
             await closer()
 
     def _finish_reason(self, finished: Finished) -> chat.FinishReason:
+        if self._calls and finished.finish_reason == "length":
+            return "length"  # a call cut by max_tokens or a budget bound, as OpenAI does
         if self._calls:
             return "tool_calls"
         if finished.finish_reason == "cancelled":

@@ -114,7 +114,8 @@ class ServerMetrics:
         self.constrained = Counter(
             f"{PREFIX}_constrained_completions",
             "Chat completions served under a grammar (docs/serving.md 9), by what it "
-            "enforced: named, required, allowed_tools, response_format or tools.",
+            "enforced: named, required, allowed_tools, response_format, tools, or auto "
+            "(plain auto with tools: the lazy grammar of its calls, 9.1).",
             ["kind"],
             registry=self.registry,
         )

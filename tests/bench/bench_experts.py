@@ -71,9 +71,10 @@ def routing(rng: np.random.Generator, t: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, (2.5 * w / w.sum(1, keepdims=True)).astype(np.float32)
 
 
-def bench_experts(threads: int, rows: list[dict]) -> None:
+def bench_experts(threads: int, rows: list[dict], chunks: list[int], *,
+                  float_experts: bool = True) -> None:
     rng = np.random.default_rng(0)
-    calls = {1: 48, 64: 6}
+    calls = {t: max(3, 48 // t) for t in chunks}
     inputs = {t: [(rng.normal(size=(t, D)).astype(np.float32), *routing(rng, t))
                   for _ in range(8)] for t in calls}
 
@@ -96,12 +97,15 @@ def bench_experts(threads: int, rows: list[dict]) -> None:
         nbytes = random_packed(rng, bits).nbytes
         for t, n in calls.items():
             med, p10 = timeit(cycle(layers, t), n)
+            gflops = t * K * 3 * D * INTER * 2 / (p10 * 1e-3) / 1e9
             rows.append({"method": f"QMoE int{bits} g32 acc4", "T": t, "threads": threads,
-                         "median_ms": med, "p10_ms": p10, "layer_bytes": nbytes})
-            print(f"QMoE int{bits} g32 acc4  T={t:<3} {med:8.2f} ms (p10 {p10:.2f})", flush=True)
+                         "median_ms": med, "p10_ms": p10, "layer_bytes": nbytes,
+                         "ms_per_token": med / t, "gflops_p10": gflops})
+            print(f"QMoE int{bits} g32 acc4  T={t:<3} {med:8.2f} ms (p10 {p10:.2f}), "
+                  f"{med / t:.3f} ms per token, {gflops:.1f} GFLOP/s at p10", flush=True)
         del layers
 
-    for dtype in (np.float32, np.float16):
+    for dtype in (np.float32, np.float16) if float_experts else ():
         gate, up, down = (
             (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype, copy=False)
             for shape in ((E, INTER, D), (E, INTER, D), (E, D, INTER)))
@@ -162,15 +166,21 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json")
     p.add_argument("--skip-quantize", action="store_true")
+    p.add_argument("--chunks", default="1,64",
+                   help="tokens per call (prefill chunk sizes), e.g. 1,16,64,256")
+    p.add_argument("--skip-float", action="store_true", help="QMoE only")
+    p.add_argument("--skip-overhead", action="store_true")
     args = p.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
     rows: list[dict] = []
     print(f"routed experts, one MoE layer, D={D} I={INTER} E={E} top-{K}, "
           f"{args.threads} threads; load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
-    bench_experts(args.threads, rows)
-    print("executor overhead per call, small graph (RMSNorm + 64x64 projection)")
-    bench_overhead(rows)
+    bench_experts(args.threads, rows, [int(c) for c in args.chunks.split(",")],
+                  float_experts=not args.skip_float)
+    if not args.skip_overhead:
+        print("executor overhead per call, small graph (RMSNorm + 64x64 projection)")
+        bench_overhead(rows)
     if not args.skip_quantize:
         bench_quantize(rows)
     if args.json:

@@ -38,6 +38,8 @@ default ``tmp/bench_side_by_side`` in the repository, an ignored folder)::
     .venv/bin/python tests/bench/bench_side_by_side.py --llama-dir LLAMA_DIR \\
         --threads 1,2 --rounds 2 --json side_by_side.json
     .venv/bin/python tests/bench/bench_side_by_side.py --llama-bench BIN --gguf MODEL.gguf
+    .venv/bin/python tests/bench/bench_side_by_side.py --prefill-depths 0,4096,16384 \
+        --contexts 512 --threads 1,2      # prefill of a 512-token piece at depth D as well
 
 ``--llama-dir DIR`` expects a llama.cpp source tree in ``DIR/src`` built with CMake into
 ``DIR/src/build`` (targets ``llama-bench`` and ``llama-quantize``) and a Python env in
@@ -403,8 +405,10 @@ def install_timers(model) -> _Timers:
     timers = _Timers()
     model.stages = _TimedStages(model.stages, timers)
     model.experts = timers.wrap("experts", model.experts)
+    # kda_decode: the compiled decode step (the kda column read 0.0 while it went untimed)
     glue = {"short_conv": "glue_kda", "prepare_qkv": "glue_kda", "kda_core": "glue_kda",
-            "apply_rope": "glue_mla", "mla_attention": "glue_mla", "route": "glue_route"}
+            "kda_decode": "glue_kda", "apply_rope": "glue_mla", "mla_attention": "glue_mla",
+            "expanded_attention": "glue_mla", "route": "glue_route"}
     for name, bucket in glue.items():  # module globals that Model.forward calls
         if callable(getattr(model_module, name, None)):
             setattr(model_module, name, timers.wrap(bucket, getattr(model_module, name)))
@@ -412,7 +416,8 @@ def install_timers(model) -> _Timers:
 
 
 def measure_project(bundle: str, threads: int, prompt: int, contexts: list[int],
-                    decode_tokens: int, chunk: int, seed: int) -> dict[str, Any]:
+                    decode_tokens: int, chunk: int, seed: int,
+                    depths: list[int] | None = None) -> dict[str, Any]:
     import numpy as np
 
     policy = "Model.from_bundle(threads=N) only"
@@ -488,6 +493,16 @@ def measure_project(bundle: str, threads: int, prompt: int, contexts: list[int],
             "context": ctx, "start": start, "tokens": decode_tokens, "tok_s": decode_tokens / total,
             "ms_per_token_median": 1e3 * statistics.median(steps), "ms_per_token": parts,
         })
+    res["prefill_depth"] = []
+    depth_state = model.new_state()  # a piece of ``prompt`` tokens after D, as llama-bench -d D
+    for depth in sorted(depths or []):
+        if depth_state.length < depth:
+            feed(rng.integers(2, vocab, depth - depth_state.length), depth_state)
+        t0 = time.perf_counter()
+        feed(rng.integers(2, vocab, prompt), depth_state)
+        dt = time.perf_counter() - t0
+        res["prefill_depth"].append({"depth": depth, "tokens": prompt, "seconds": dt,
+                                     "tok_s": prompt / dt})
     status = Path("/proc/self/status").read_text().splitlines()
     res["vm_hwm_kb"] = next((int(s.split()[1]) for s in status if s.startswith("VmHWM")), None)
     return res
@@ -495,7 +510,8 @@ def measure_project(bundle: str, threads: int, prompt: int, contexts: list[int],
 
 def run_project(bundle: Path, threads: int, args: argparse.Namespace) -> dict[str, Any]:
     spec = dict(bundle=str(bundle), threads=threads, prompt=args.prompt, contexts=args.contexts,
-                decode_tokens=args.decode_tokens, chunk=args.prefill_chunk, seed=args.seed)
+                decode_tokens=args.decode_tokens, chunk=args.prefill_chunk, seed=args.seed,
+                depths=args.prefill_depths)
     text, rss, wall = run_child([sys.executable, __file__, "--_project", json.dumps(spec)])
     res = json.loads(text.strip().splitlines()[-1])
     res["peak_rss_bytes"], res["wall_s"] = rss, wall
@@ -506,15 +522,19 @@ def run_project(bundle: Path, threads: int, args: argparse.Namespace) -> dict[st
 def run_llama(bench: Path, gguf: Path, threads: int, args: argparse.Namespace) -> dict[str, Any]:
     base = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", str(args.llama_reps),
             "-o", "json"]
-    pp_text, pp_rss, _ = run_child([*base, "-p", str(args.prompt), "-n", "0", "-d", "0"])
+    depths = sorted({0, *args.prefill_depths})
+    pp_text, pp_rss, _ = run_child([*base, "-p", str(args.prompt), "-n", "0",
+                                    "-d", ",".join(map(str, depths))])
     tg_text, tg_rss, _ = run_child([*base, "-p", "0", "-n", str(args.decode_tokens),
                                     "-d", ",".join(map(str, args.contexts))])
     pp, tg = json.loads(pp_text), json.loads(tg_text)
-    first = pp[0]
+    first = next(r for r in pp if r.get("n_depth", 0) == 0)
     return {
         "threads": threads,
         "prefill": {"tokens": first["n_prompt"], "tok_s": first["avg_ts"],
                     "stddev": first["stddev_ts"]},
+        "prefill_depth": [{"depth": r.get("n_depth", 0), "tokens": r["n_prompt"],
+                           "tok_s": r["avg_ts"]} for r in pp],
         "decode": [{"context": r["n_depth"], "tokens": r["n_gen"], "tok_s": r["avg_ts"],
                     "stddev": r["stddev_ts"]} for r in tg],
         "peak_rss_bytes": max(pp_rss, tg_rss),
@@ -540,7 +560,13 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
         def decode(ctx, r):
             return next((d["tok_s"] for d in r["decode"] if d["context"] == ctx), None)
 
+        def prefill_at(depth, r):
+            return next((d["tok_s"] for d in r.get("prefill_depth", [])
+                         if d["depth"] == depth), None)
+
         figures = [(f"prefill {results['prompt']} tok/s", lambda r: r["prefill"]["tok_s"])]
+        figures += [(f"prefill {results['prompt']} @{d}", lambda r, d=d: prefill_at(d, r))
+                    for d in results.get("prefill_depths", [])]
         figures += [(f"decode @{c} tok/s", lambda r, c=c: decode(c, r))
                     for c in results["contexts"]]
         for name, key in figures:
@@ -603,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512, help="prefill length (tokens)")
     ap.add_argument("--contexts", type=parse_ints, default=[512, 4096, 12288])
+    ap.add_argument("--prefill-depths", type=parse_ints, default=[],
+                    help="also time a --prompt piece after D tokens (llama-bench -p P -d D), "
+                         "e.g. 0,4096,16384")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0, help="prompt ids")
@@ -651,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads, "rounds": args.rounds, "prompt": args.prompt,
         "contexts": args.contexts, "decode_tokens": args.decode_tokens,
         "prefill_chunk": args.prefill_chunk, "llama_reps": args.llama_reps,
+        "prefill_depths": args.prefill_depths,
         "load_start": load_average(), "project": [], "llama": [],
     }
     for rnd in range(args.rounds):

@@ -1,6 +1,8 @@
 /*
- * MLA decode attention over the latent cache: one token's H heads against every cached row,
- * one pass over the cache with a running softmax max (flash-decoding's inner loop).
+ * MLA attention over the latent cache, compiled: a decode token's H heads against every
+ * cached row (mla_decode_attend), and a prefill chunk's query columns against the rows each
+ * may see (mla_prefill_attend); one pass over the cache with a running softmax max
+ * (flash-attention's inner loop).
  *
  * Why C: at decode the work is two skinny products per layer, scores = rows . q (576-wide
  * rows against H = 16 query columns) and ctx += p^T rows, about 35 kFLOP per cached row.
@@ -223,6 +225,100 @@ int mla_decode_attend(const float *qT, int heads, int d, int r, const void *cons
                 context16(scratch, rows, stride, n, r, ctxT);
             else
                 context_any(scratch, heads, rows, stride, n, r, ctxT);
+        }
+    }
+    return 0;
+}
+
+/*
+ * Causal attention of a prefill chunk. Its query columns (one per (token, head) pair, in any
+ * order) come in tiles of 16, the vector lanes: qT [tiles][d][16], each column the scaled
+ * query [c_kv part (r) | rope part] of one head of one token, lane_pos [tiles * 16] its
+ * position (a padding lane: any position, its result is discarded). Key row k is seen by a
+ * column at position p iff k <= p; rows below `mask_from` are seen by every column.
+ * Scores read channels [score_offset, score_offset + d) of a row, the context its first r:
+ * the absorbed form's latent rows [c_kv | k_rope] take offset 0 (the context is c_kv), the
+ * expanded form's per-head rows [v | k_nope | k_rope] offset r (docs/model.md, MLA).
+ *
+ * Why: a 64-token chunk over a deep cache is the same two products as decode with 64x the
+ * columns. Through numpy they are skinny GEMMs (K = 576 or N = 16 x heads) plus separate
+ * passes for the mask, the max and e^x over a [rows, columns] score matrix. Here the decode
+ * kernel's register-blocked products run per tile while a 64-row group of the cache stays in
+ * L2 (each group is read from memory once per block of tiles, not once per token), the
+ * softmax state lives in registers' worth of lanes, and nothing of size rows x columns is
+ * ever written. Tiles are independent: callers split them over threads with no merge.
+ *
+ * Writes the normalised context ctxT [tiles][r][16]. scratch: TILE_BLOCK * (GROUP + 2 + 1)
+ * * 16 + TILE_BLOCK * 16 floats, plus GROUP * stride with `half`.
+ * Returns 0; -1 if there is no row; -2 for a float16 cache this build cannot read.
+ */
+#define TILE_BLOCK 4 /* tiles sharing each group of rows: 4 x 32 KB of context + the rows */
+
+int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int d, int r,
+                       int score_offset, const void *const *blocks, const int64_t *lengths,
+                       int n_blocks, int64_t stride, int half, int64_t mask_from,
+                       float *ctxT, float *scratch) {
+#ifndef HAVE_FLOAT16
+    if (half) return -2;
+#endif
+    int64_t total = 0;
+    for (int b = 0; b < n_blocks; b++) total += lengths[b];
+    if (total <= 0) return -1;
+    float *scores = scratch;                                  /* [TILE_BLOCK][GROUP][16] */
+    float *denom = scores + (int64_t)TILE_BLOCK * GROUP * HEADS; /* [TILE_BLOCK][16] */
+    float *runmax = denom + TILE_BLOCK * HEADS;                /* [TILE_BLOCK][16] */
+    float *maxes = runmax + TILE_BLOCK * HEADS, *factors = maxes + HEADS;
+#ifdef HAVE_FLOAT16
+    float *wide = factors + HEADS;
+#endif
+    for (int t0 = 0; t0 < tiles; t0 += TILE_BLOCK) {
+        const int nt = tiles - t0 < TILE_BLOCK ? tiles - t0 : TILE_BLOCK;
+        int64_t seen = 0; /* rows any tile of the block sees */
+        for (int i = 0; i < nt * HEADS; i++) {
+            const int64_t p = (int64_t)lane_pos[(int64_t)t0 * HEADS + i] + 1;
+            seen = p > seen ? p : seen;
+        }
+        seen = seen < total ? seen : total;
+        memset(ctxT + (int64_t)t0 * r * HEADS, 0, sizeof(float) * (size_t)nt * r * HEADS);
+        for (int i = 0; i < nt * HEADS; i++) {
+            denom[i] = 0.0f;
+            runmax[i] = -INFINITY;
+        }
+        int64_t key = 0;
+        for (int b = 0; b < n_blocks && key < seen; b++) {
+            for (int64_t j0 = 0; j0 < lengths[b] && key < seen; j0 += GROUP) {
+                int64_t left = lengths[b] - j0 < seen - key ? lengths[b] - j0 : seen - key;
+                const int n = (int)(left < GROUP ? left : GROUP);
+                const float *rows = (const float *)blocks[b] + j0 * stride;
+#ifdef HAVE_FLOAT16
+                if (half) {
+                    widen_rows((const uint16_t *)blocks[b] + j0 * stride, n * stride, wide);
+                    rows = wide;
+                }
+#endif
+                for (int t = 0; t < nt; t++) {
+                    const float *q = qT + (int64_t)(t0 + t) * d * HEADS;
+                    float *s = scores + (int64_t)t * GROUP * HEADS;
+                    scores16(q, d, rows + score_offset, stride, n, s);
+                    if (key + n > mask_from) { /* rows some column of the chunk must not see */
+                        const int32_t *pos = lane_pos + (int64_t)(t0 + t) * HEADS;
+                        const int64_t first = mask_from > key ? mask_from - key : 0;
+                        for (int64_t j = first; j < n; j++)
+                            for (int h = 0; h < HEADS; h++)
+                                if (key + j > pos[h]) s[j * HEADS + h] = -INFINITY;
+                    }
+                    float *ctx = ctxT + (int64_t)(t0 + t) * r * HEADS;
+                    softmax_group(s, n, HEADS, r, ctx, denom + t * HEADS, runmax + t * HEADS,
+                                  maxes, factors);
+                    context16(s, rows, stride, n, r, ctx);
+                }
+                key += n;
+            }
+        }
+        for (int t = 0; t < nt; t++) { /* normalise: every lane saw row 0, so denom > 0 */
+            float *ctx = ctxT + (int64_t)(t0 + t) * r * HEADS;
+            for (int c = 0; c < r; c++)
+                for (int h = 0; h < HEADS; h++) ctx[(int64_t)c * HEADS + h] /= denom[t * HEADS + h];
         }
     }
     return 0;

@@ -1,0 +1,198 @@
+"""The expanded MLA prefill form (ling3_rknn/model/mla_expanded.py) against the absorbed one.
+
+The absorbed numpy attention is the reference (itself pinned to transformers by the oracle
+tests, which run the expanded form too: ``Model.from_hf`` carries the bases). Here: the two
+forms give the same attention output once W_vb is applied (the context may differ by a part
+W_vb cannot see), the ski-rental choice between them, and the scratch's life cycle (kept
+through a prefill, dropped at decode and restore, capped in bytes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ORACLE_DIR, ORACLE_FIXTURES
+
+from ling3_rknn.model import Model, mla, native
+from ling3_rknn.model.mla_expanded import (
+    ExpandedRows,
+    PrefillScratch,
+    expanded_attention,
+    mla_bases,
+)
+
+needs_kernel = pytest.mark.skipif(not native.available(),
+                                  reason="the compiled attention kernel is not built here")
+TOL = 1e-5
+
+
+def _layer(rng: np.random.Generator, heads: int, r: int, dn: int, dv: int):
+    w_kb = rng.standard_normal((heads, dn, r)).astype(np.float32) / np.sqrt(r)
+    w_vb = rng.standard_normal((heads, dv, r)).astype(np.float32) / np.sqrt(r)
+    return w_kb, w_vb
+
+
+def _absorbed_output(q_lat, q_rope, latent, length, scale, w_vb):
+    blocks = [latent[i:i + 256] for i in range(0, length, 256)]
+    native.set_enabled(False)
+    try:
+        ctx = mla.mla_attention(q_lat, q_rope, blocks, length, scale)
+    finally:
+        native.set_enabled(True)
+    return np.einsum("thr,hdr->thd", ctx, w_vb)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,r,dn,dv,rope,length,t", [
+    (16, 512, 128, 128, 64, 700, 64),  # Ling-3.0-tiny's MLA, a chunk at depth 636
+    (8, 128, 32, 32, 16, 64, 64),      # the demo's, a first chunk
+    (5, 24, 8, 12, 8, 300, 9),         # odd sizes: tiles with padding lanes
+    (2, 16, 16, 16, 4, 40, 3),         # d_nope = r: the basis is all of the latent space
+])
+def test_expanded_output_matches_absorbed(heads, r, dn, dv, rope, length, t):
+    rng = np.random.default_rng(heads * 100 + t)
+    w_kb, w_vb = _layer(rng, heads, r, dn, dv)
+    bases = mla_bases(w_kb, w_vb)
+    latent = rng.standard_normal((length, r + rope)).astype(np.float32)
+    q_nope = rng.standard_normal((t, heads, dn)).astype(np.float32)
+    q_lat = np.einsum("thd,hdr->thr", q_nope, w_kb)  # what the input stage hands over
+    q_rope = rng.standard_normal((t, heads, rope)).astype(np.float32)
+    rows = ExpandedRows(bases, rope)
+    rows.extend(latent[: length - t])  # a cached prefix, then the chunk's own rows
+    rows.extend(latent[length - t:])
+    ctx = expanded_attention(q_lat, q_rope, rows, length, 0.1)
+    assert ctx is not None and ctx.shape == (t, heads, r)
+    got = np.einsum("thr,hdr->thd", ctx, w_vb)
+    want = _absorbed_output(q_lat, q_rope, latent, length, 0.1, w_vb)
+    assert float(np.abs(got - want).max() / np.abs(want).max()) < TOL
+
+
+def test_bases_are_orthonormal_and_span_the_weights():
+    rng = np.random.default_rng(0)
+    w_kb, w_vb = _layer(rng, 4, 64, 16, 24)
+    b = mla_bases(w_kb, w_vb)
+    for basis, w in ((b.key, w_kb), (b.value, w_vb)):
+        gram = np.einsum("hrd,hre->hde", basis, basis)
+        np.testing.assert_allclose(gram, np.broadcast_to(np.eye(basis.shape[2]), gram.shape),
+                                   atol=1e-5)
+        projected = np.einsum("hdr,hrk,hsk->hds", w, basis, basis)  # W U U^T == W
+        np.testing.assert_allclose(projected, w, atol=1e-5)
+
+
+def test_rows_are_projected_per_head_in_blocks():
+    rng = np.random.default_rng(1)
+    w_kb, w_vb = _layer(rng, 3, 32, 8, 8)
+    b = mla_bases(w_kb, w_vb)
+    latent = rng.standard_normal((300, 32 + 4)).astype(np.float32)
+    rows = ExpandedRows(b, 4)
+    rows.extend(latent[:250])
+    rows.extend(latent[250:])  # crosses the first block's end
+    assert rows.length == 300
+    for head in range(3):
+        got = np.concatenate(rows.head_blocks(head))[:300]
+        np.testing.assert_allclose(got[:, :8], latent[:, :32] @ b.value[head], atol=1e-5)
+        np.testing.assert_allclose(got[:, 8:16], latent[:, :32] @ b.key[head], atol=1e-5)
+        np.testing.assert_array_equal(got[:, 16:], latent[:, 32:])
+
+
+class _Bases:
+    """One layer's bases at Ling-3.0-tiny's size, shapes only (choose() reads shapes)."""
+
+    key = np.zeros((16, 512, 128), np.float32)
+    value = np.zeros((16, 512, 128), np.float32)
+
+    @staticmethod
+    def row_width(rope: int) -> int:
+        return 256 + rope
+
+
+@needs_kernel
+def test_a_fresh_prompt_is_expanded_from_its_first_chunk():
+    scratch = PrefillScratch()
+    assert scratch.choose({3: _Bases()}, 64, 0, 64, 2 << 30)
+    assert set(scratch.rows) == {3}
+
+
+@needs_kernel
+def test_a_continued_prefix_is_absorbed_until_the_projection_pays():
+    """Ski rental: after a cached prefix of 16K rows the expanded form first needs every
+    row projected (16K x 16 x 256 x 512 MACs); each absorbed 64-token chunk costs ~0.53 of
+    that, so the second chunk buys (a 64-token turn never does)."""
+    scratch = PrefillScratch()
+    bases = {3: _Bases()}
+    picks = [scratch.choose(bases, 64, 16384 + 64 * k, 64, 2 << 30) for k in range(4)]
+    assert picks == [False, True, True, True]
+
+
+def test_one_token_never_takes_the_expanded_form():
+    assert not PrefillScratch().choose({3: _Bases()}, 64, 0, 1, 2 << 30)
+
+
+@needs_kernel
+def test_rows_beyond_the_byte_cap_stay_absorbed():
+    scratch = PrefillScratch()
+    per_row = 16 * (256 + 64) * 4
+    assert scratch.choose({3: _Bases()}, 64, 0, 64, 128 * per_row)
+    assert not scratch.choose({3: _Bases()}, 64, 100, 64, 128 * per_row)
+    assert not scratch.rows  # dropped, not left half-filled
+
+
+# ---------------------------------------------------------------- through the model
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    path = ORACLE_DIR / ORACLE_FIXTURES[0]
+    with np.load(path / "reference.npz") as ref:
+        ids = np.asarray(ref["input_ids"])
+    return Model.from_hf(path), ids
+
+
+def _absorbed(model: Model, ids, pieces) -> np.ndarray:
+    limit = model.prefill_scratch_bytes
+    model.prefill_scratch_bytes = 0  # the expanded form never fits: absorbed throughout
+    try:
+        state = model.new_state()
+        return np.concatenate([model.forward(ids[a:b], state) for a, b in pieces])
+    finally:
+        model.prefill_scratch_bytes = limit
+
+
+def _pieces(n: int, sizes: list[int]) -> list[tuple[int, int]]:
+    out, pos, k = [], 0, 0
+    while pos < n:
+        end = min(n, pos + sizes[k % len(sizes)])
+        out.append((pos, end))
+        pos, k = end, k + 1
+    return out
+
+
+@needs_kernel
+def test_model_prefill_in_pieces_matches_the_absorbed_form(oracle):
+    model, ids = oracle
+    assert model.cpu.mla_bases  # from_hf computes them
+    pieces = _pieces(len(ids), [5, 1, 7, 2, 3])  # decode tokens between chunks drop the rows
+    state = model.new_state()
+    got = np.concatenate([model.forward(ids[a:b], state) for a, b in pieces])
+    want = _absorbed(model, ids, pieces)
+    assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-5
+
+
+@needs_kernel
+def test_decode_and_restore_drop_the_projected_rows(oracle):
+    model, ids = oracle
+    state = model.new_state()
+    model.forward(ids[:6], state)
+    assert state.prefill_scratch.rows and state.prefill_scratch.nbytes > 0
+    snap = state.snapshot()
+    model.forward(ids[6:7], state)  # a decode token
+    assert not state.prefill_scratch.rows
+    model.forward(ids[7:10], state)  # projecting 7 rows costs more than this chunk absorbed
+    assert not state.prefill_scratch.rows and state.prefill_scratch.absorbed_macs > 0
+    model.forward(ids[10:14], state)  # ... but not more than both: the rows are bought
+    assert state.prefill_scratch.rows[model.config.mla_layers[0]].length == 14
+    state.restore(snap)
+    assert not state.prefill_scratch.rows
+    cont = np.concatenate([model.forward(ids[6:10], state), model.forward(ids[10:14], state)])
+    cold = model.forward(ids[:14], model.new_state())[6:]
+    assert float(np.abs(cont - cold).max() / np.abs(cold).max()) < 1e-5
