@@ -111,9 +111,11 @@ def test_npu_calls_per_token_reads_each_phase_from_its_own_key(quick_run):
     assert calls["decode"] == pytest.approx(mean("npu_calls_per_token"))
     assert calls["prefill"] < calls["decode"]
     synthetic = [{"target": 1, "prefill_tok_s": 1.0, "decode_tok_s": 1.0, "ttft_s": 1.0,
-                  "ms_per_token": {}, "npu_calls_per_token": 7.0,
+                  "ms_per_token": {}, "prefill_ms_per_token": {}, "npu_calls_per_token": 7.0,
                   "npu_calls_per_prefill_token": 0.25}]
-    built = build_report({"runs": synthetic, "prefix_cache": {}, "empty_graph": {}},
+    figures = {"runs": synthetic, "prefix_cache": {}, "empty_graph": {},
+               "agent_first_request": {}}
+    built = build_report(figures,
                          executor="mock", machine={}, bundle={}, quick=True, load_s=0.0,
                          rss=(1, 1), npu_resident_bytes=0)
     assert built["npu_calls_per_token"] == {"decode": 7.0, "prefill": 0.25}
