@@ -29,6 +29,11 @@ log = logging.getLogger("ling3_rknn.server")
 # Descriptors kept for everything that is not a client connection (model and bundle files,
 # the prefix cache's files, logs, onnxruntime's and the NPU driver's handles).
 FD_RESERVE = 256
+# A refused connection is half-closed after its 503 and closed this much later, so the
+# request bytes still arriving do not make the kernel reset it before the client has read
+# the answer; at most ``_LINGERING`` of them at once (past that: closed at once).
+_LINGER_S = 1.0
+_LINGERING = 64
 _END_OF_HEADERS = b"\r\n\r\n"
 
 
@@ -93,14 +98,24 @@ class _Guard(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
         if not self._tracker.admit():
             self._refused = True
-            with contextlib.suppress(Exception):
-                transport.write(_refusal())  # type: ignore[attr-defined]
-            transport.close()
+            self._refuse(transport)  # type: ignore[arg-type]
             return
         self._counted = True
         loop = asyncio.get_running_loop()
         self._deadline = loop.call_later(self._tracker.limits.header_timeout_s, self._too_slow)
         self._inner.connection_made(transport)
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        with contextlib.suppress(Exception):
+            transport.write(_refusal())
+        tracker = self._tracker
+        if tracker.lingering >= _LINGERING or not transport.can_write_eof():
+            transport.close()
+            return
+        with contextlib.suppress(Exception):
+            transport.write_eof()
+        tracker.lingering += 1
+        self._deadline = asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
 
     def _too_slow(self) -> None:
         self._deadline = None
@@ -130,6 +145,8 @@ class _Guard(asyncio.Protocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+            if self._refused:
+                self._tracker.lingering -= 1
         if self._counted:
             self._counted = False
             self._tracker.release()
@@ -151,6 +168,7 @@ class ConnectionTracker:
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
         self.open = 0
+        self.lingering = 0  # refused connections half-closed, waiting to close
         self.log = RateLimitedLog()
 
     def admit(self) -> bool:
