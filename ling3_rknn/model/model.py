@@ -18,6 +18,7 @@ from .bundle_loader import ExecutorChoice, load_bundle_parts, runtime_for
 from .checkpoint import Checkpoint
 from .cpu_weights import CpuWeights
 from .kda import kda_core, kda_decode, prepare_qkv, short_conv
+from .memory import return_freed_memory
 from .mla import apply_rope, mla_attention, rope_angles
 from .mla_expanded import PREFILL_SCRATCH_BYTES, expanded_attention
 from .moe import ExpertBackend, NumpyExperts, route
@@ -31,6 +32,8 @@ from .state import (
 )
 from .weights import CheckpointWeights
 
+# Dropping a prefill scratch at least this large gives the freed pages back (memory.py).
+TRIM_AFTER_BYTES = 64 << 20
 # Whether a decode token's KDA heads are shared out over the glue threads (measured in
 # docs/performance.md).
 KDA_DECODE_SPLIT = False
@@ -185,7 +188,11 @@ class Model:
         """Whether this call's MLA attention takes the expanded form (mla_expanded.py). A
         decode token drops the projected rows: they are prefill scratch."""
         if t == 1:
-            state.prefill_scratch.clear()
+            if state.prefill_scratch.rows:
+                held = state.prefill_scratch.nbytes
+                state.prefill_scratch.clear()
+                if held >= TRIM_AFTER_BYTES:
+                    return_freed_memory()
             return False
         return state.prefill_scratch.choose(
             self.cpu.mla_bases, self.config.qk_rope_head_dim, state.length, t,
