@@ -63,12 +63,16 @@ $(RKNN)/.installed:
 
 rknn-env: $(RKNN)/.installed
 
-# opencode's and pi's own client libraries (npm, pinned by package-lock.json) for
-# tests/test_server_agent_clients.py. Without npm on the machine those tests are skipped.
+# opencode's and pi's own client libraries and the Codex CLI and Claude Code binaries (npm,
+# pinned by package-lock.json) for tests/test_server_agent_clients.py. Without npm on the
+# machine those tests are skipped. Install scripts stay off; the one Claude Code needs is run
+# by name (install.cjs only links the platform binary from its optional dependency).
 CLIENTS := tests/server_clients
 $(CLIENTS)/node_modules/.installed: $(CLIENTS)/package-lock.json
 	@if command -v npm >/dev/null; then \
-		cd $(CLIENTS) && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error && touch node_modules/.installed; \
+		cd $(CLIENTS) && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error \
+		&& node node_modules/@anthropic-ai/claude-code/install.cjs \
+		&& touch node_modules/.installed; \
 	else echo "npm not found: the agent-client tests will be skipped"; fi
 
 agent-clients: $(CLIENTS)/node_modules/.installed

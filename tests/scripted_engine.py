@@ -42,6 +42,7 @@ ONE_CALL = [
 class Script:
     pieces: list[str] = field(default_factory=lambda: ["</think>Hello", " world", "!"])
     finish_reason: str = "stop"
+    stop: str | None = None  # the stop string the engine reports as having ended the text
     cached_tokens: int = 0
     piece_delay_s: float = 0.0
     prefill_delay_s: float = 0.0
@@ -89,6 +90,10 @@ class ScriptedEngine:
         script = Script(pieces=list(pieces), **options)  # type: ignore[arg-type]
         self.scripts.append(script)
         return script
+
+    def encode_prompt(self, segments) -> list[int]:
+        """The stand-in tokenizer's ids (one per 4 characters), as ``generate`` counts."""
+        return list(range(count_tokens("".join(s.text for s in segments))))
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -167,4 +172,5 @@ class ScriptedEngine:
         usage = Usage(
             prompt_tokens, len(script.pieces), script.cached_tokens, turn.reasoning_tokens
         )
-        yield Finished(script.finish_reason, usage, "".join(produced))  # type: ignore[arg-type]
+        yield Finished(script.finish_reason, usage, "".join(produced),  # type: ignore[arg-type]
+                       stop=script.stop)

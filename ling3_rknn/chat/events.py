@@ -107,6 +107,7 @@ class Finished:
     finish_reason: FinishReason
     usage: Usage
     text: str  # the whole generated text, without the EOS marker or a matched stop string
+    stop: str | None = None  # the stop string that ended the text, if one did
 
 
 GenerationEvent = Admitted | TextDelta | ParseEvent | Finished

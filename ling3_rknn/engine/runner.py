@@ -387,7 +387,9 @@ class Runner:
         # Generated ids the model has not evaluated: the last one, or the tail of a batch of
         # grammar-forced ids the limit cut (never evaluated, so the end-of-turn feeds them).
         unevaluated = [t for t in generated[forwarded:] if t not in self._stop_ids]
-        return Decoded(reason, generated, unevaluated, turn, Finished(finish, usage, text))
+        matched = stopper.matched if reason == "stop_string" else None
+        return Decoded(reason, generated, unevaluated, turn,
+                       Finished(finish, usage, text, stop=matched))
 
     def _remember_turn(
         self, job: Job, decoded: Decoded

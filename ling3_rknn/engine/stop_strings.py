@@ -17,6 +17,7 @@ class StopMatcher:
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Return the text that can be emitted now; sets ``stopped`` on a match."""
@@ -27,11 +28,12 @@ class StopMatcher:
         buffer = self._held + text
         # The stop that completes first wins (then the longer one), whatever the chunking:
         # the result is the same as if the text arrived one character at a time.
-        found = [(i + len(s), i) for s in self._stops if (i := buffer.find(s)) >= 0]
+        found = [(i + len(s), i, s) for s in self._stops if (i := buffer.find(s)) >= 0]
         if found:
+            _, start, self.matched = min(found)
             self.stopped = True
             self._held = ""
-            return buffer[: min(found)[1]]
+            return buffer[:start]
         keep = self._held_back_length(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]

@@ -154,7 +154,7 @@ def _engine_errors(ended: str, request_id: str) -> Iterator[None]:
     try:
         yield
     except ContextLengthExceeded as exc:
-        raise context_length_exceeded(str(exc)) from None
+        raise context_length_exceeded(str(exc), exc.prompt_tokens, exc.max_context) from None
     except EngineBusy as exc:
         raise busy(str(exc) or "The server is busy; retry shortly.") from None
     except InvalidRequest as exc:
@@ -181,6 +181,7 @@ class Completion:
         self._generation_request = generation_request(request, render_prompt(request))
         self._generation: AsyncIterator[GenerationEvent] | None = None
         self._first: GenerationEvent | None = None
+        self.prompt_tokens = 0  # known at admission (``Admitted``); 0 before or without
         self._calls = 0
         self.finished: Finished | None = None
 
@@ -210,7 +211,9 @@ class Completion:
         with _engine_errors("The engine ended without a result.", self._request_id):
             self._generation = self._engine.generate(self._generation_request)
             first = await anext(self._generation)
-        if not isinstance(first, Admitted):  # an engine without admission events
+        if isinstance(first, Admitted):
+            self.prompt_tokens = first.prompt_tokens
+        else:  # an engine without admission events
             self._first = first
 
     async def events(self) -> AsyncIterator[CompletionEvent]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 from aiohttp import web
 
@@ -21,6 +22,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        details: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -29,6 +31,9 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        # Facts another wire format words differently (e.g. the token counts of a prompt
+        # that is too long, which Anthropic clients parse from their own message).
+        self.details = dict(details or {})
 
     def body(self) -> dict:
         return {
@@ -52,13 +57,30 @@ class ApiError(Exception):
         )
 
 
+def error_kind(error: ApiError) -> str:
+    """Who an error is about, for /metrics: ``client`` (the request was wrong, 4xx),
+    ``device`` (the model or NPU failed), ``unavailable`` (busy, loading, shutting down)
+    or ``internal`` (a bug)."""
+    if error.code == "engine_failure":
+        return "device"
+    if error.status == 503:
+        return "unavailable"
+    if error.status >= 500:
+        return "internal"
+    return "client"
+
+
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
-def context_length_exceeded(message: str) -> ApiError:
+def context_length_exceeded(message: str, prompt_tokens: int | None = None,
+                            max_context: int | None = None) -> ApiError:
     # opencode and pi trigger compaction on this code or on "maximum context length is N tokens".
-    return ApiError(400, message, param="messages", code="context_length_exceeded")
+    details = {} if prompt_tokens is None else {"prompt_tokens": prompt_tokens,
+                                                "max_context": max_context}
+    return ApiError(400, message, param="messages", code="context_length_exceeded",
+                    details=details)
 
 
 def unauthorized() -> ApiError:

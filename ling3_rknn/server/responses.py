@@ -136,6 +136,10 @@ class ChunkFactory:
 
 
 def models_body(model_ids: list[str], created: int, max_context: int | None) -> dict[str, Any]:
+    """The model list in a form both API families' clients read: OpenAI's keys (``object``,
+    ``created``, ``owned_by``) and Anthropic's (``type``, ``display_name``, ``created_at``,
+    ``has_more``, ``first_id``, ``last_id``) side by side; each ignores the other's."""
+    created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
     data = []
     for model_id in model_ids:
         entry: dict[str, Any] = {
@@ -143,8 +147,13 @@ def models_body(model_ids: list[str], created: int, max_context: int | None) -> 
             "object": "model",
             "created": created,
             "owned_by": "ling3-rknn",
+            "type": "model",
+            "display_name": model_id,
+            "created_at": created_at,
         }
         if max_context:
             entry["max_model_len"] = max_context
         data.append(entry)
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": data, "has_more": False,
+            "first_id": model_ids[0] if model_ids else None,
+            "last_id": model_ids[-1] if model_ids else None}

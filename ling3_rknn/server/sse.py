@@ -23,6 +23,13 @@ def encode_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
+def encode_named_event(name: str, payload: dict[str, Any]) -> bytes:
+    """An event with an ``event:`` line (Responses and Anthropic streams name each event;
+    their SDKs dispatch on it)."""
+    return (b"event: " + name.encode() + b"\ndata: "
+            + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
 class SseWriter:
     """Writes events to a prepared stream response; one writer per response."""
 

@@ -1,0 +1,350 @@
+"""``POST /v1/messages`` body -> the one internal chat request (``validate.ChatRequest``).
+
+Anthropic's content blocks map onto the chat messages the renderer takes: an assistant
+message's ``thinking`` / ``text`` / ``tool_use`` blocks become one assistant message with
+its reasoning, text and calls (in the order the model wrote them, so the turn re-renders
+byte for byte and the next turn hits the prefix cache); a user message's ``tool_result``
+blocks become ``tool`` messages and its text a user message. Keys are checked strictly,
+unknown ones are a 400 naming their path (``messages[1].content[0].input``);
+``cache_control`` markers are accepted everywhere and change nothing (the prefix cache is
+automatic). Details: docs/serving.md 10.4.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ling3_rknn.engine.api import SamplingParams
+from ling3_rknn.server import reasoning_seal
+from ling3_rknn.server.errors import invalid_request
+from ling3_rknn.server.json_checks import (
+    Invalid,
+    any_object,
+    array,
+    boolean,
+    fail,
+    integer,
+    join,
+    json_object,
+    nullable,
+    number,
+    one_of,
+    string,
+    type_name,
+    type_tag,
+)
+from ling3_rknn.server.validate import MAX_STOP_STRINGS, TOOL_NAME, ChatRequest
+
+log = logging.getLogger("ling3_rknn.server")
+_ANY = lambda v, p: v  # noqa: E731  (accepted as sent, changes nothing here)
+# Anthropic-run tools (web search, code execution, ...) and client tools with a fixed
+# schema the model was trained on elsewhere (bash, text editor, computer): skipped.
+_SERVER_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "bash_",
+                         "text_editor_", "computer_", "memory_", "tool_search_")
+
+
+@dataclass(frozen=True)
+class MessagesNotes:
+    """What the writer needs besides the chat request."""
+
+    stop_sequences: tuple[str, ...]
+    show_thinking: bool = True
+
+
+# ---- content blocks ---------------------------------------------------------------------
+
+
+def _text_block(value: Any, path: str) -> str:
+    kind = type_tag(value, path)
+    if kind != "text":
+        fail(join(path, "type"), f"content block type {kind!r} is not supported here: this "
+                                 "model reads text only")
+    return json_object(value, path, {"type": string, "text": string, "cache_control": _ANY,
+                                     "citations": _ANY}, ("type", "text"))["text"]
+
+
+def _texts(value: Any, path: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n".join(array(_text_block)(value, path))
+    fail(path, f"expected a string or an array of text blocks, got {type_name(value)}")
+    raise AssertionError("unreachable")
+
+
+def _result_block(value: Any, path: str) -> str:
+    """A tool result block: text as is; an image or document (Claude Code's Read returns
+    one for an image file) becomes a note saying so, since refusing it would wedge the
+    agent's session."""
+    kind = type_tag(value, path)
+    if kind in ("image", "document"):
+        return f"[{kind} omitted: this model reads text only]"
+    return _text_block(value, path)
+
+
+def _result_content(value: Any, path: str) -> str:
+    if isinstance(value, list):
+        return "\n".join(array(_result_block)(value, path))
+    return _texts(value, path)
+
+
+def _tool_name(value: Any, path: str) -> str:
+    name = string(value, path)
+    if not TOOL_NAME.match(name):
+        fail(path, f"tool names must match {TOOL_NAME.pattern}, got {name!r}")
+    return name
+
+
+_BLOCKS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "text": ({"type": string, "text": string, "cache_control": _ANY, "citations": _ANY},
+             ("text",)),
+    "thinking": ({"type": string, "thinking": string, "signature": string}, ("thinking",)),
+    "redacted_thinking": ({"type": string, "data": string}, ("data",)),
+    "tool_use": ({"type": string, "id": string, "name": _tool_name, "input": any_object,
+                  "cache_control": _ANY, "caller": _ANY}, ("id", "name", "input")),
+    "tool_result": ({"type": string, "tool_use_id": string,
+                     "content": nullable(_result_content), "is_error": nullable(boolean),
+                     "cache_control": _ANY}, ("tool_use_id",)),
+}
+_ROLE_BLOCKS = {"user": ("text", "tool_result"), "system": ("text",),
+                "assistant": ("text", "thinking", "redacted_thinking", "tool_use")}
+
+
+def _block(value: Any, path: str, role: str) -> dict[str, Any]:
+    kind = type_tag(value, path)
+    if kind not in _ROLE_BLOCKS[role]:
+        allowed = ", ".join(repr(k) for k in _ROLE_BLOCKS[role])
+        fail(join(path, "type"), f"{role} content blocks here are {allowed}; got {kind!r} "
+                                 "(this model reads text only)")
+    fields, required = _BLOCKS[kind]
+    return json_object(value, path, fields, ("type", *required))
+
+
+# ---- messages ---------------------------------------------------------------------------
+
+
+def _thinking_text(block: dict[str, Any], path: str) -> str:
+    """The reasoning of a ``thinking`` block. Our signature carries the text (sealed), so a
+    block whose text was omitted (``display: "omitted"``) still renders what the model
+    wrote; a block whose text differs from its signature's is refused. Another server's
+    signature is not ours to check: the text is used as sent."""
+    text, signature = block["thinking"], block.get("signature") or ""
+    if not reasoning_seal.is_sealed(signature):
+        return text
+    sealed = reasoning_seal.unseal(signature)
+    if sealed is None or (text and text != sealed):
+        fail(join(path, "signature"), "the thinking block does not match its signature: "
+                                      "send thinking blocks back unchanged")
+    return sealed  # type: ignore[return-value]
+
+
+def _assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        kind = block["type"]
+        if kind == "thinking":
+            text = _thinking_text(block, f"{path}.content[{j}]")
+            message["reasoning_content"] = message.get("reasoning_content", "") + text
+        elif kind == "text":
+            texts.append(block["text"])
+        elif kind == "tool_use":
+            message.setdefault("tool_calls", []).append({
+                "id": block["id"], "type": "function",
+                "function": {"name": block["name"], "arguments": block["input"]}})
+        # redacted_thinking: another server's opaque reasoning; nothing to render.
+    if texts:
+        message["content"] = "\n".join(texts)
+    return message
+
+
+def _user(blocks: list[dict[str, Any]], path: str, calls: set[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        if block["type"] == "tool_result":
+            if block["tool_use_id"] not in calls:
+                fail(f"{path}.content[{j}].tool_use_id",
+                     f"{block['tool_use_id']!r} is not the id of a tool_use block of the "
+                     "assistant message before it")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                        "content": block.get("content") or ""})
+        else:
+            texts.append(block["text"])
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _messages(value: Any, path: str) -> list[dict[str, Any]]:
+    items = array(lambda v, p: json_object(
+        v, p, {"role": one_of("user", "assistant", "system"), "content": _ANY},
+        ("role", "content")),
+        min_items=1)(value, path)
+    out: list[dict[str, Any]] = []
+    calls: set[str] = set()
+    for i, item in enumerate(items):
+        where = f"{path}[{i}]"
+        role, content = item["role"], item["content"]
+        if isinstance(content, str):
+            blocks = [{"type": "text", "text": content}]
+        elif isinstance(content, list):
+            blocks = [_block(b, f"{where}.content[{j}]", role) for j, b in enumerate(content)]
+        else:
+            fail(join(where, "content"), "expected a string or an array of content blocks, "
+                                         f"got {type_name(content)}")
+        if role == "assistant":
+            message = _assistant(blocks, where)
+            calls = {c["id"] for c in message.get("tool_calls", ())}
+            out.append(message)
+        elif role == "system":  # Claude Code's mid-conversation system turns
+            out.append({"role": "system", "content": "\n".join(b["text"] for b in blocks)})
+        else:
+            out.extend(_user(blocks, where, calls))
+            calls = set()
+    return out
+
+
+# ---- tools ------------------------------------------------------------------------------
+
+
+def _tools(value: Any, path: str) -> list[dict[str, Any]]:
+    tools: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(array(any_object)(value, path)):
+        where = f"{path}[{i}]"
+        kind = tool.get("type")
+        if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
+            skipped.append(kind)
+            continue
+        fields = json_object(tool, where, {
+            "type": nullable(one_of("custom")), "name": _tool_name,
+            "description": nullable(string), "input_schema": any_object,
+            "cache_control": _ANY, "defer_loading": nullable(boolean),
+            "strict": nullable(boolean), "eager_input_streaming": nullable(boolean),
+        }, ("name", "input_schema"))
+        if fields["name"] in seen:
+            fail(join(where, "name"), f"duplicate tool name {fields['name']!r}")
+        seen.add(fields["name"])
+        function = {"name": fields["name"], "parameters": fields["input_schema"]}
+        if fields.get("description"):
+            function["description"] = fields["description"]
+        tools.append({"type": "function", "function": function})
+    if skipped:
+        log.info("messages: skipped server tools this server cannot run: %s", ", ".join(skipped))
+    return tools
+
+
+def _tool_choice(value: Any, path: str, names: set[str]
+                 ) -> tuple[str, str | None, bool]:
+    """(mode, forced tool, parallel calls allowed)."""
+    fields = json_object(value, path, {
+        "type": one_of("auto", "any", "tool", "none"), "name": _tool_name,
+        "disable_parallel_tool_use": nullable(boolean),
+    }, ("type",))
+    parallel = not fields.get("disable_parallel_tool_use")
+    kind = fields["type"]
+    if kind == "tool":
+        if "name" not in fields:
+            fail(join(path, "name"), "this field is required with type 'tool'")
+        if fields["name"] not in names:
+            fail(join(path, "name"), f"{fields['name']!r} is not one of the declared tools")
+        return "required", fields["name"], parallel
+    if "name" in fields:
+        fail(join(path, "name"), f"only allowed with type 'tool', not {kind!r}")
+    if kind == "any":
+        if not names:
+            fail(path, "'any' needs at least one tool in 'tools'")
+        return "required", None, parallel
+    return kind, None, parallel
+
+
+# ---- top level --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Thinking:
+    enabled: bool
+    shown: bool  # False with display "omitted": the text travels only in the signature
+
+
+def _thinking(value: Any, path: str) -> Thinking:
+    kind = type_tag(value, path)
+    display = nullable(one_of("summarized", "omitted"))
+    if kind == "enabled":
+        fields = json_object(value, path, {"type": string, "budget_tokens": integer(1),
+                                           "display": display}, ("type", "budget_tokens"))
+    else:
+        fields = json_object(value, path, {"type": one_of("disabled", "adaptive"),
+                                           "display": display}, ("type",))
+    return Thinking(fields["type"] != "disabled", fields.get("display") != "omitted")
+
+
+def _stops(value: Any, path: str) -> tuple[str, ...]:
+    stops = array(string, max_items=MAX_STOP_STRINGS)(value, path)
+    for i, stop in enumerate(stops):
+        if not stop:
+            fail(f"{path}[{i}]", "stop sequences must not be empty")
+    return tuple(stops)
+
+
+_TOP_LEVEL = {
+    "model": string,
+    "messages": _ANY,  # checked in _messages
+    "max_tokens": integer(1),
+    "system": nullable(_texts),
+    "stop_sequences": nullable(_stops),
+    "stream": nullable(boolean),
+    "temperature": nullable(number(0.0, 1.0)),
+    "top_p": nullable(number(0.0, 1.0, open_low=True)),
+    "top_k": nullable(integer(0)),
+    "tools": nullable(_tools),
+    "tool_choice": _ANY,  # checked once the tools are known
+    "thinking": nullable(_thinking),
+    "metadata": nullable(lambda v, p: json_object(v, p, {"user_id": nullable(string)})),
+    "service_tier": nullable(one_of("auto", "standard_only")),
+    # Claude Code's hints for Anthropic's own servers: accepted, nothing to change here.
+    "context_management": nullable(any_object),
+    "output_config": nullable(any_object),
+}
+
+
+def read_messages_request(body: dict[str, Any], *, count_only: bool = False
+                          ) -> tuple[ChatRequest, MessagesNotes]:
+    """Validate a decoded body; raise ``ApiError`` (400) naming the offending param.
+    ``count_only``: the ``count_tokens`` body, which has no ``max_tokens``."""
+    try:
+        required = ("model", "messages") if count_only else ("model", "messages", "max_tokens")
+        fields = json_object(body, "", _TOP_LEVEL, required)
+        messages = _messages(fields["messages"], "messages")
+        tools = fields.get("tools") or []
+        names = {t["function"]["name"] for t in tools}
+        choice, forced, parallel = "auto", None, True
+        if body.get("tool_choice") is not None:
+            choice, forced, parallel = _tool_choice(body["tool_choice"], "tool_choice", names)
+    except Invalid as exc:
+        raise invalid_request(exc.message, exc.param) from None
+    if fields.get("system"):
+        messages.insert(0, {"role": "system", "content": fields["system"]})
+    stops = fields.get("stop_sequences") or ()
+    thinking = fields.get("thinking") or Thinking(enabled=False, shown=True)
+    request = ChatRequest(
+        model=fields["model"],
+        messages=messages,
+        tools=tools or None,
+        tool_choice=choice,
+        forced_tool=forced,
+        parallel_tool_calls=parallel,
+        stream=bool(fields.get("stream")),
+        include_usage=True,
+        max_tokens=fields.get("max_tokens"),
+        stop=stops,
+        sampling=SamplingParams(temperature=fields.get("temperature"),
+                                top_p=fields.get("top_p"), top_k=fields.get("top_k")),
+        # Anthropic's default is no extended thinking; `thinking` turns it on.
+        enable_thinking=thinking.enabled,
+    )
+    return request, MessagesNotes(stops, thinking.shown)
