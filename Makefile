@@ -1,9 +1,10 @@
 # Two entry points (see README): `make serve` and `make test`. Each sets up what it needs.
+# `make check` is the fast loop for working on the code (README).
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: system-tools serve test lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval \
+.PHONY: system-tools serve test check lint venv oracle-env rknn-env fixtures bench agent-clients demo-model demo-bundle demo-eval \
 	test-aarch64
 
 $(STAMP): pyproject.toml
@@ -24,6 +25,14 @@ lint: $(STAMP)
 
 test: lint rknn-env agent-clients system-tools
 	$(VENV)/bin/pytest $(ARGS)
+
+# The fast loop: ruff, the import contracts and every test that needs neither the
+# rknn-toolkit2 env, the npm clients, a Debian package nor the network (pyproject.toml's
+# markers); nothing is installed or fetched besides .venv.
+# ARGS=-n0 runs them in one process.
+CHECK_MARKERS := not simulator and not npm and not system and not network
+check: lint
+	$(VENV)/bin/pytest -n auto -m "$(CHECK_MARKERS)" $(ARGS)
 
 # The aarch64 tier (docs/board-guide.md, "Before a board"): the board's software stack on a
 # Debian 12 arm64 root filesystem under qemu-user (Cortex-A76 model), built once and cached

@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}). Prefer the "
+             "variable: a key on the command line is visible to every local user in ps and "
+             "/proc/PID/cmdline",
     )
     serve.add_argument("--cache-bytes", type=parse_size, metavar="N", help="prefix cache size")
     serve.add_argument("--cache-dir", type=Path, metavar="DIR", help="persist the prefix cache")
@@ -112,6 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait for the model before new ones get 503 (default 16)",
     )
     serve.add_argument("--max-body-bytes", type=parse_size, default=16 * 1024**2, metavar="N")
+    serve.add_argument(
+        "--max-connections", type=_positive_int, metavar="N",
+        help="open connections allowed before new ones get 503 (default: the descriptor "
+             "limit less 256)",
+    )
+    serve.add_argument(
+        "--allowed-host", action="append", default=[], metavar="HOST",
+        help="without an API key, a Host besides loopback names that requests may carry "
+             "(repeatable; foreign hosts are refused against DNS rebinding)",
+    )
+    serve.add_argument(
+        "--allowed-origin", action="append", default=[], metavar="ORIGIN",
+        help="without an API key, a browser Origin besides loopback ones that may call the "
+             "API, e.g. http://ui.lan:3000 (repeatable; '*' allows any)",
+    )
     serve.add_argument(
         "--drain-seconds", type=float, default=0.0, metavar="S",
         help="after SIGTERM keep answering /health and new requests with 503 for S seconds "
@@ -217,6 +234,12 @@ def _add_doctor(commands: Any) -> None:
     doc.add_argument("--json", action="store_true", help="print a machine-readable report")
     doc.add_argument("--quick", action="store_true",
                      help="skip loading the graphs and timing them (the unit's ExecStartPre)")
+    doc.add_argument("--runs", type=_positive_int, metavar="N",
+                     help="timed calls per graph shape (default 10)")
+    doc.add_argument("--full", action="store_true",
+                     help="hash every bundle file now instead of trusting its check stamp")
+    doc.add_argument("--empty-rknn", type=Path, metavar="FILE",
+                     help="an .rknn of one Add over [1, 1, 8]: the fixed cost of an NPU call")
 
 
 def _is_loopback(host: str) -> bool:
@@ -291,6 +314,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.tokenizer is not None and args.hf is None:
         print("ling3-rknn: --tokenizer only applies to --hf", file=sys.stderr)
         return 2
+    if args.api_key is not None and not args.api_key.strip():
+        print("ling3-rknn: --api-key is empty: every client would pass with an empty key; "
+              f"set a real key (preferably in ${API_KEY_ENV}) or leave it out", file=sys.stderr)
+        return 2
     key_problem = api_key_problem(args.host, args.api_key)
     if key_problem is not None:
         print(f"ling3-rknn: {key_problem}", file=sys.stderr)
@@ -312,6 +339,9 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         model_aliases=tuple(args.model_alias),
         drain_s=args.drain_seconds,
+        max_connections=args.max_connections,
+        allowed_hosts=tuple(args.allowed_host),
+        allowed_origins=tuple(args.allowed_origin),
     )
     failed: list[BaseException] = []
     holder = EngineHolder()

@@ -43,6 +43,25 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be used, or ids/segments it cannot handle."""
 
 
+class TooManyTokens(TokenizerError):
+    """Encoding stopped early: the text has at least ``at_least`` tokens, more than the
+    caller's limit (the rest was never encoded)."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(f"the text has at least {at_least} tokens")
+        self.at_least = at_least
+
+
+# Long text runs are encoded in pieces of this many characters when the caller has a token
+# limit: a prompt far over the context stops after about one piece past the limit instead
+# of being encoded whole (seconds and gigabytes for a 15 MB prompt).
+PIECE_CHARS = 1 << 16
+# Pieces are cut at a space that follows a non-space (a word boundary for byte-level BPE
+# pre-tokenizers) when one is near; a cut can still move a few tokens at its edges, so the
+# piecewise count refuses only past the limit plus this many tokens per cut.
+_CUT_SLACK = 16
+
+
 class SegmentLike(Protocol):
     @property
     def text(self) -> str: ...
@@ -159,6 +178,7 @@ class Tokenizer:
         self._special_re = re.compile("|".join(map(re.escape, names)))
 
         self._id_bytes = self._build_byte_table(spec)
+        self._max_token_bytes = max(len(b) for b in self._id_bytes.values())
 
     # ---------------------------------------------------------------- construction
 
@@ -238,6 +258,11 @@ class Tokenizer:
         return self._special_ids[markers.ROLE_END]
 
     @property
+    def forbidden_ids(self) -> frozenset[int]:
+        """Ids TEXT never produces: every special-flagged added token and chat marker."""
+        return self._forbidden_ids
+
+    @property
     def turn_ending_ids(self) -> frozenset[int]:
         """Special tokens that end a generated turn: every one but ``markers.ANSWER_MARKERS``.
 
@@ -247,6 +272,12 @@ class Tokenizer:
         """
         answer = {self._special_ids[n] for n in markers.ANSWER_MARKERS if n in self._special_ids}
         return self._forbidden_ids - answer
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest token's UTF-8 length: a text of N characters (at least N bytes) has
+        at least ``N / max_token_bytes`` tokens, a bound known before encoding anything."""
+        return self._max_token_bytes
 
     @property
     def vocab_size(self) -> int:
@@ -260,7 +291,9 @@ class Tokenizer:
         if not text:
             return []
         try:
-            ids = self._text.encode(text, add_special_tokens=False).ids
+            # encode_batch runs the Rust work with the GIL released (encode holds it: a
+            # 2 MB text stalls every other thread, the server's event loop included, ~1 s).
+            ids = self._text.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError as exc:  # the library refuses str with unpaired surrogates
             raise TokenizerError(f"text is not valid Unicode (unpaired surrogate?): {exc}") from exc
         if self._forbidden_ids.intersection(ids):
@@ -273,7 +306,11 @@ class Tokenizer:
         if self._cache is not None:
             self._cache.clear()
 
-    def _encode_run(self, text: str) -> list[int] | array:
+    def _encode_run(self, text: str, budget: int | None = None) -> list[int] | array:
+        """One run of ordinary text; with ``budget`` (tokens still allowed) a run that
+        cannot fit raises TooManyTokens, found on a cheap bound or after a few pieces."""
+        if budget is not None and len(text) > PIECE_CHARS:
+            self._check_fits(text, budget)
         cache = self._cache
         if cache is None or not text:
             return self.encode_text(text)
@@ -284,10 +321,41 @@ class Tokenizer:
         cache.put(text, ids)
         return ids
 
-    def encode_segments(self, segments: Iterable[SegmentLike]) -> list[int]:
-        """Typed segments -> ids; only CONTROL text may yield special tokens."""
+    def _check_fits(self, text: str, budget: int) -> None:
+        """Raise TooManyTokens when ``text`` cannot encode to ``budget`` tokens or fewer:
+        first on its length alone, then counting piece by piece with an early exit."""
+        floor = -(-len(text) // self._max_token_bytes)
+        if floor > budget:
+            raise TooManyTokens(floor)
+        counted = cuts = pos = 0
+        while pos < len(text):
+            end = min(pos + PIECE_CHARS, len(text))
+            if end < len(text):
+                space = text.rfind(" ", pos + PIECE_CHARS // 2, end)
+                if space > 0 and not text[space - 1].isspace():
+                    end = space
+                cuts += 1
+            counted += len(self.encode_text(text[pos:end]))
+            if counted > budget + _CUT_SLACK * cuts:
+                raise TooManyTokens(counted - _CUT_SLACK * cuts)
+            pos = end
+
+    def encode_segments(
+        self, segments: Iterable[SegmentLike], max_tokens: int | None = None
+    ) -> list[int]:
+        """Typed segments -> ids; only CONTROL text may yield special tokens. With
+        ``max_tokens``, a prompt that cannot fit raises TooManyTokens without being encoded
+        whole (a 400 for the client at the cost of about ``max_tokens`` tokens of work)."""
         ids: list[int] = []
         pending: list[str] = []  # ordinary text since the last special token
+
+        def flush() -> None:
+            budget = None if max_tokens is None else max_tokens - len(ids)
+            ids.extend(self._encode_run("".join(pending), budget))
+            pending.clear()
+            if max_tokens is not None and len(ids) > max_tokens:
+                raise TooManyTokens(len(ids))
+
         for seg in segments:
             text = seg.text
             if not seg.control:
@@ -296,12 +364,11 @@ class Tokenizer:
             pos = 0
             for m in self._special_re.finditer(text):
                 pending.append(text[pos : m.start()])
-                ids.extend(self._encode_run("".join(pending)))
-                pending.clear()
+                flush()
                 ids.append(self._special_ids[m.group()])
                 pos = m.end()
             pending.append(text[pos:])
-        ids.extend(self._encode_run("".join(pending)))
+        flush()
         return ids
 
     # ---------------------------------------------------------------- decoding

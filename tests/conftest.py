@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,31 @@ from hypothesis import settings
 # per-example deadline (a slow example must not fail a correct property).
 settings.register_profile("ling3", deadline=None)
 settings.load_profile("ling3")
+
+_STATE_PREFIX = "ling3-rknn-test-state-"
+_STATE_DIR: str | None = None  # made (and removed) by this process
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point the runtime's state directory (built C kernels, bundle check stamps;
+    ``ling3_rknn.paths``) at a directory of this session's own, before any test module is
+    imported: some decide at import whether the kernels load (``native.available()``), and
+    a test run must not build into, or load from, the user's ``~/.cache``. Servers the
+    tests start, and pytest-xdist's workers, inherit it. Removed at the end of the
+    session."""
+    global _STATE_DIR
+    os.environ.pop("STATE_DIRECTORY", None)  # systemd's name wins over ours (paths.py)
+    inherited = os.environ.get("LING3_RKNN_STATE_DIR", "")
+    if os.environ.get("PYTEST_XDIST_WORKER") and Path(inherited).name.startswith(_STATE_PREFIX):
+        return  # an xdist worker: the controller's directory, removed by the controller
+    _STATE_DIR = tempfile.mkdtemp(prefix=_STATE_PREFIX)
+    os.environ["LING3_RKNN_STATE_DIR"] = _STATE_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _STATE_DIR is not None:
+        shutil.rmtree(_STATE_DIR, ignore_errors=True)
+
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Tiny random Ling-3.0 checkpoints + transformers 5.24.0 reference logits

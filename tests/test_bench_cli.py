@@ -96,3 +96,26 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
                      "--plot", str(tmp_path / "b.png")])
     assert code == 2
     assert "ling3-rknn[plot]" in capsys.readouterr().err
+
+
+def test_npu_calls_per_token_reads_each_phase_from_its_own_key(quick_run):
+    """The report's prefill figure comes from the prefill counts, the decode one from the
+    decode counts: a prefill chunk is one call for many tokens, so prefill is lower."""
+    from ling3_rknn.bench.report import build_report
+
+    report = json.loads(quick_run[0].read_text())
+    runs = report["runs"]
+    calls = report["npu_calls_per_token"]
+    mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
+    assert calls["prefill"] == pytest.approx(mean("npu_calls_per_prefill_token"))
+    assert calls["decode"] == pytest.approx(mean("npu_calls_per_token"))
+    assert calls["prefill"] < calls["decode"]
+    synthetic = [{"target": 1, "prefill_tok_s": 1.0, "decode_tok_s": 1.0, "ttft_s": 1.0,
+                  "ms_per_token": {}, "prefill_ms_per_token": {}, "npu_calls_per_token": 7.0,
+                  "npu_calls_per_prefill_token": 0.25}]
+    figures = {"runs": synthetic, "prefix_cache": {}, "empty_graph": {},
+               "agent_first_request": {}}
+    built = build_report(figures,
+                         executor="mock", machine={}, bundle={}, quick=True, load_s=0.0,
+                         rss=(1, 1), npu_resident_bytes=0)
+    assert built["npu_calls_per_token"] == {"decode": 7.0, "prefill": 0.25}

@@ -11,11 +11,15 @@ on (x86_64 here), which would hide the aarch64-only ``rknn-toolkit-lite2``.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import subprocess
 import sys
 import tomllib
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,22 @@ _OFFLINE = re.compile(r"NewConnectionError|Temporary failure in name resolution|
                       r"Network is unreachable|ConnectTimeout")
 
 
+@functools.cache
+def index_unreachable() -> str | None:
+    """Why the package index pip would ask cannot be reached, or None when it answers.
+
+    Asked once, with a short timeout, before pip runs: offline, pip itself would retry each
+    request for minutes (``PIP_DEFAULT_TIMEOUT``) before failing."""
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{index}/pip/", timeout=10):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError) as e:
+        return f"the package index {index} is not reachable ({e}): this test needs the network"
+
+
 def board_requirements() -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = [*project["dependencies"], *project["optional-dependencies"]["board"]]
@@ -40,8 +60,11 @@ def test_board_extra_lists_the_npu_runtime():
     assert any(r.startswith("rknn-toolkit-lite2") for r in board_requirements())
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("python", BOARD_PYTHONS)
 def test_board_install_resolves_to_aarch64_wheels(tmp_path, python):
+    if (why := index_unreachable()) is not None:
+        pytest.skip(why)
     report = tmp_path / "report.json"
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     abi = "cp" + python.replace(".", "")
@@ -53,7 +76,8 @@ def test_board_install_resolves_to_aarch64_wheels(tmp_path, python):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         if _OFFLINE.search(done.stderr):
-            pytest.skip("the package registry is not reachable")
+            pytest.skip("the package index stopped answering while pip resolved: this test "
+                        "needs the network")
         missing = re.findall(r"(?:No matching distribution found for|satisfies the "
                              r"requirement) ([A-Za-z0-9_.\-\[\]]+)", done.stderr)
         pytest.fail(f"no aarch64 wheel for Python {python}: "

@@ -404,3 +404,33 @@ def test_embedded_schemas_keep_their_own_defs_and_drop_the_root_id(tok, ll):
     assert admits(tok, ll, grammar, call("f", a='{"b": true, "c": 3}',
                                          d='[{"b": false, "c": 1}]'))
     assert not admits(tok, ll, grammar, call("f", a='{"b": 1, "c": 3}'))
+
+
+def test_a_schema_nested_past_the_stack_is_refused_or_relaxed_never_a_crash():
+    """A parameter nested deeper than Python's recursion limit: GrammarError naming the
+    parameter for a required call, free arguments for a lenient tool of an auto turn."""
+    deep: dict = {"type": "string"}
+    for _ in range(1200):
+        deep = {"type": "object", "properties": {"n": deep}}
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"x": deep}, "required": ["x"]}}}
+    with pytest.raises(GrammarError) as info:
+        turn_grammar([other], tool_choice="required")
+    assert info.value.part.startswith("tools[0].function.parameters")
+    grammar = turn_grammar([WEATHER, other], parallel_tool_calls=False)
+    assert grammar is not None
+    assert "a_1_free" in grammar._template.lark
+
+
+@pytest.mark.parametrize("value", ['say "hi"', "C:\\tmp", 'a\\"b', "tab\there"])
+def test_enum_and_const_values_that_need_escaping_are_matched_exactly(tok, ll, value):
+    """A raw-string enum/const value with a quote, a backslash or a control character is
+    the value itself in the grammar, not its escaped spelling."""
+    for schema in ({"type": "string", "enum": [value, "other"]},
+                   {"type": "string", "const": value}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": schema}, "required": ["x"]}}}
+        grammar = turn_grammar([tool], tool_choice="required", thinking=False)
+        assert admits(tok, ll, grammar, call("f", x=value))
+        assert not admits(tok, ll, grammar, call("f", x=json.dumps(value)[1:-1] + "!"))
+        assert not admits(tok, ll, grammar, call("f", x=json.dumps(value)))

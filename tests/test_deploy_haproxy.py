@@ -47,8 +47,9 @@ MODEL = "ling-3.0-tiny-demo"
 SYSTEM = "You are a weather agent. Answer briefly."
 CITIES = ("Lisbon", "Porto", "Madrid", "Oslo", "Berlin", "Rome", "Vienna", "Prague")
 
-pytestmark = pytest.mark.skipif(HAPROXY is None,
-                                reason="haproxy not installed (make system-tools)")
+pytestmark = [pytest.mark.system,
+              pytest.mark.skipif(HAPROXY is None,
+                                 reason="haproxy not installed (make system-tools)")]
 
 
 def free_port() -> int:

@@ -31,10 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = ROOT / "tests" / "server_clients"
 NODE = shutil.which("node")
 
-pytestmark = pytest.mark.skipif(
-    NODE is None or not (CLIENTS / "node_modules" / "ai").exists(),
-    reason="needs node and `make agent-clients` (npm ci in tests/server_clients)",
-)
+pytestmark = [
+    pytest.mark.npm,
+    pytest.mark.skipif(
+        NODE is None or not (CLIENTS / "node_modules" / "ai").exists(),
+        reason="needs node and `make agent-clients` (npm ci in tests/server_clients)",
+    ),
+]
 
 
 def snippets(markdown: Path) -> dict[str, Any]:

@@ -209,3 +209,13 @@ def test_penalty_bookkeeping_grows_past_its_initial_capacity():
     np.testing.assert_allclose(out[:300], 0.5 - 2.0)
     np.testing.assert_allclose(out[300:999], 1.0)
     assert out[999] == 0.5
+
+
+def test_repetition_penalty_pushes_a_seen_negative_logit_further_down():
+    """transformers' rule for a seen token with a negative logit: multiply by the penalty
+    (more negative, less likely); dividing would raise it toward 0 and favour repeating."""
+    x = np.array([-1.0, -1.5, -3.0], np.float32)
+    s = SamplerSettings(temperature=0.0, repetition_penalty=2.0)
+    sampler = Sampler(s, 3, prompt_ids=[0])
+    np.testing.assert_allclose(sampler._apply_penalties(x), [-2.0, -1.5, -3.0], rtol=1e-6)
+    assert sampler.sample(x) == 1  # the seen id 0 (-1.0 -> -2.0) falls below id 1

@@ -124,3 +124,24 @@ def test_the_kernel_reads_float16_blocks_like_numpy(heads, r, rope):
     finally:
         native.set_enabled(True)
     assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-5
+
+
+def test_blocks_past_the_first_256_rows_stay_float16(models):
+    """Filling more than one 256-row block: every frozen block and the new tail are float16,
+    in the live state and in a snapshot (the other tests never fill a block)."""
+    from ling3_rknn.model.state import BLOCK_TOKENS
+
+    full, half, _ = models
+    ids = [int(t) for t in np.random.default_rng(0).integers(
+        0, full.config.vocab_size, BLOCK_TOKENS + 40)]
+    s16, s32 = half.new_state(), full.new_state()
+    for chunk in range(0, len(ids), 64):  # chunked like a prefill
+        half.forward(ids[chunk:chunk + 64], s16)
+    full.forward(ids, s32)
+    for i in full.config.mla_layers:
+        blocks = s16.latents[i].blocks()
+        assert len(blocks) == 2 and len(blocks[0]) == BLOCK_TOKENS
+        assert [b.dtype for b in blocks] == [np.float16, np.float16]
+        assert sum(b.nbytes for b in blocks) * 2 == sum(b.nbytes for b in s32.latents[i].blocks())
+        snap = s16.latents[i].snapshot()
+        assert snap.partial.dtype == np.float16 and snap.rows().dtype == np.float16

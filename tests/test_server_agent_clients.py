@@ -31,6 +31,8 @@ TWO_CALLS = [
     "\n<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>b.py</arg_value>\n</tool_call>",
 ]
 
+pytestmark = pytest.mark.npm  # every test drives a client from npm (make agent-clients)
+
 needs_client_libraries = pytest.mark.skipif(
     NODE is None or not (CLIENTS / "node_modules" / "ai").exists(),
     reason="needs node and `make agent-clients` (npm ci in tests/server_clients)",

@@ -19,8 +19,9 @@ UNIT = Path(__file__).resolve().parent.parent / "systemd" / "ling3-rknn.service"
 ENV_FILE = UNIT.with_name("ling3-rknn.env")
 INSTALL_PREFIX = "/opt/ling3-rknn/"
 
-pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                reason="systemd-analyze not installed (make system-tools)")
+pytestmark = [pytest.mark.system,
+              pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                                 reason="systemd-analyze not installed (make system-tools)")]
 
 
 def verify(text: str, tmp_path: Path) -> tuple[int, str]:

@@ -269,3 +269,27 @@ def test_unusable_specs_give_typed_errors(tmp_path, mutate, match):
 def test_unpaired_surrogate_is_a_typed_error(tok):
     with pytest.raises(TokenizerError, match="surrogate"):
         tok.encode_text("cut emoji \ud83d")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_over_the_limit_stops_encoding_early(monkeypatch, kind):
+    """With ``max_tokens`` a run far over the limit is refused on its length alone or after
+    about one piece past the limit, never encoded whole; one that fits keeps the exact ids."""
+    from ling3_rknn.tokenizer import PIECE_CHARS, TooManyTokens
+
+    t = Tokenizer.from_file(FIXTURES / kind / "tokenizer.json", cache_chars=0)
+    calls: list[int] = []
+    encode = t.encode_text
+    monkeypatch.setattr(t, "encode_text", lambda text: calls.append(len(text)) or encode(text))
+    long = "abcd " * 400_000  # 2 MB
+    with pytest.raises(TooManyTokens):  # the length bound: nothing encoded
+        t.encode_segments([Seg(long, False)], max_tokens=1000)
+    assert calls == []
+    with pytest.raises(TooManyTokens) as info:  # fits the length bound: counted in pieces
+        t.encode_segments([Seg(long, False)], max_tokens=len(long) // t.max_token_bytes + 10)
+    assert info.value.at_least > len(long) // t.max_token_bytes
+    assert sum(calls) < len(long)
+    calls.clear()
+    fits = [Seg("<role>HUMAN</role>", True), Seg("word " * (PIECE_CHARS // 2), False),
+            Seg("<|role_end|>", True)]
+    assert t.encode_segments(fits, max_tokens=10**6) == t.encode_segments(fits)

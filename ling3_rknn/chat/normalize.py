@@ -97,6 +97,8 @@ def _arguments(raw: Any, where: str) -> dict[str, Any] | RawArguments:
         value = json.loads(raw)
     except ValueError:
         return RawArguments(raw)
+    except RecursionError:  # nested past Python's stack: it cannot be rendered as keys
+        raise ChatFormatError(f"{where} is nested too deeply") from None
     return value if isinstance(value, dict) else RawArguments(raw)
 
 

@@ -122,7 +122,7 @@ def coerce_value(raw: str, types: frozenset[str]) -> Any:
         return raw
     try:
         value = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except ValueError:
+    except (ValueError, RecursionError):
         return raw
     kind = json_type(value)
     if kind == "integer" and "number" in types:

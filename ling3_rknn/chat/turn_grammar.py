@@ -38,9 +38,12 @@ import dataclasses
 import functools
 import json
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import regex
 
 from . import markers
 from .tool_schema import json_types, resolve_ref
@@ -74,6 +77,11 @@ _FORMATS = {
     "ipv4": rf"(?:{_OCTET}\.){{3}}{_OCTET}",
     "email": r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+",
 }
+# Checking enum/const values against a client's ``pattern`` runs a backtracking matcher on
+# client text (``^(a|aa)+$`` doubles its cost per character): the ``regex`` package's
+# matcher with a timeout and the GIL released, within this budget per grammar, so no
+# schema can hold a thread (and through the GIL every other client) for long.
+_REGEX_BUDGET_S = 0.25
 # The arguments object inside each embedded parameter schema, so refs to "#..." resolve.
 _PARAMETERS_DEF = "ling3_parameters"
 
@@ -149,8 +157,17 @@ class TurnGrammar:
 
     def relaxed(self, part: str | None) -> TurnGrammar | None:
         """This grammar with free arguments for the tool ``part`` names, when that tool's
-        schema is not the client's demand (docs/serving.md 9); else None (a 400)."""
-        match = re.match(r"tools\[(\d+)\]", part or "")
+        schema is not the client's demand (docs/serving.md 9); else None (a 400). An error
+        that names no part (llguidance's lexer size or fuel limits report no grammar line)
+        relaxes every such tool at once: the request is served as it would be unconstrained,
+        and if the error stays, it is the client's demand that fails."""
+        if part is None:
+            strict = _strict_tools(self)
+            lenient = {_function(t).get("name") for t in self.tools} - strict - self.free_tools
+            if not lenient:
+                return None
+            return dataclasses.replace(self, free_tools=self.free_tools | lenient)
+        match = re.match(r"tools\[(\d+)\]", part)
         if match is None or int(match.group(1)) >= len(self.tools):
             return None
         name = _function(self.tools[int(match.group(1))]).get("name")
@@ -331,6 +348,7 @@ class _Builder:
         self._lenient = False
         self._rules: list[str] = []
         self._parts: dict[str, str] = {}
+        self._regex_deadline = time.monotonic() + _REGEX_BUDGET_S
         self._bound: int | None = None  # the current call's raw-string bound
         self._tool = ""  # the tool whose call is being built
         self._bounds: dict[str, dict[str, int]] = {}
@@ -393,7 +411,7 @@ class _Builder:
             if name in self._spec.free_tools:
                 raise GrammarError(where, "the constraint library refused this schema")
             args = self._arguments(index, params, where)
-        except (GrammarError, TypeError, AttributeError) as exc:
+        except (GrammarError, TypeError, AttributeError, RecursionError) as exc:
             if not self._lenient:
                 if isinstance(exc, GrammarError):
                     raise
@@ -524,7 +542,7 @@ class _Builder:
         lexeme = rule.upper()
         self._rules.append(f"{lexeme}: {' & '.join(pieces)}")
         self._parts[lexeme] = part
-        return lexeme, lo == 0 and fmt is None and _matches_empty(pattern)
+        return lexeme, lo == 0 and fmt is None and self._search(pattern, "", part, unreadable=False)
 
     def _bounded_text(self, rule: str) -> str:
         """Free text of at most ``self._bound`` tokens: llguidance ends the lexeme there
@@ -548,7 +566,7 @@ class _Builder:
         strings = [c for c in dict.fromkeys(c for c in choices if isinstance(c, str))
                    if lo <= len(c) and (hi is None or len(c) <= hi)
                    and not any(m in c for m in markers.CONTROL_MARKERS)
-                   and _python_search(pattern, c) and _python_search(fmt, c, full=True)]
+                   and self._search(pattern, c, part) and self._search(fmt, c, part, full=True)]
         if not strings:
             raise GrammarError(part, "no string value satisfies enum/const with the other "
                                      "keywords of this string parameter")
@@ -562,41 +580,46 @@ class _Builder:
     def _json(self, rule: str, schema: Any, part: str) -> str:
         if not isinstance(schema, dict):
             raise GrammarError(part, "must be a JSON-schema object")
-        style = {**_JSON_STYLE, **({"lenient": True} if self._lenient else {}),
-                 **(schema.get("x-guidance") or {})}
-        self._rule(rule, "%json " + json.dumps({**schema, "x-guidance": style}))
+        own = schema.get("x-guidance") or {}
+        if not isinstance(own, dict):
+            raise GrammarError(f"{part}.x-guidance", "must be an object of llguidance options")
+        style = {**_JSON_STYLE, **({"lenient": True} if self._lenient else {}), **own}
+        try:
+            text = json.dumps({**schema, "x-guidance": style})
+        except (RecursionError, ValueError) as exc:  # nested past the stack; a cycle
+            raise GrammarError(part, f"cannot be written as a schema ({exc})") from None
+        self._rule(rule, "%json " + text)
         self._parts[rule] = part
         return rule
 
     # -- helpers ---------------------------------------------------------------------
+
+    def _search(self, pattern: str | None, text: str, part: str, *, full: bool = False,
+                unreadable: bool = True) -> bool:
+        """Whether ``text`` satisfies ``pattern`` (the ``regex`` package reads the patterns
+        schemas use as ECMA does; one it cannot read answers ``unreadable``), within what is left
+        of this grammar's matching budget: past it the schema is refused (a 400 where the
+        client demands it, free arguments for a lenient tool)."""
+        if pattern is None:
+            return True
+        left = self._regex_deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            found = (regex.fullmatch if full else regex.search)(
+                pattern, text, timeout=left, concurrent=True)
+        except TimeoutError:
+            raise GrammarError(part, "pattern is too costly to check against the enum/const "
+                                     "values (catastrophic backtracking)") from None
+        except (regex.error, ValueError, TypeError, OverflowError):
+            return unreadable
+        return found is not None
 
     def _token(self, marker: str) -> str:
         return _MARKER_SLOT[marker]
 
     def _rule(self, name: str, body: str) -> None:
         self._rules.append(f"{name}: {body}")
-
-
-def _matches_empty(pattern: str | None) -> bool:
-    """Whether an empty value satisfies ``pattern`` (Python's dialect is close enough to
-    ECMA's for this one question; a pattern it cannot read admits no empty value)."""
-    if pattern is None:
-        return True
-    try:
-        return re.search(pattern, "") is not None
-    except re.error:
-        return False
-
-
-def _python_search(regex: str | None, text: str, *, full: bool = False) -> bool:
-    """Whether ``text`` satisfies ``regex`` as Python reads it (close to ECMA for the
-    patterns schemas use); a regex Python cannot read filters nothing."""
-    if regex is None:
-        return True
-    try:
-        return (re.fullmatch(regex, text) if full else re.search(regex, text)) is not None
-    except re.error:
-        return True
 
 
 def _length(schema: Mapping[str, Any], name: str, part: str, default: int | None) -> Any:

@@ -48,8 +48,12 @@ def _rknnlite_class(on_board: bool) -> type | None:
     return RKNNLite
 
 
-def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot) -> Report:
-    """All findings for this machine and ``bundle_path``."""
+def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot, *,
+             runs: int = LATENCY_RUNS, full: bool = False,
+             empty_rknn: Path | None = None) -> Report:
+    """All findings for this machine and ``bundle_path``. Without ``quick`` every graph is
+    loaded and timed over ``runs`` calls per shape; ``full`` hashes every file anew;
+    ``empty_rknn`` (a one-Add graph) measures the fixed per-call cost."""
     report = Report(machine=_machine(sys_root))
     add = report.checks.extend
     on_board, soc_check = False, Check("SoC", "fail", "not checked")
@@ -62,7 +66,7 @@ def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot) -> Report:
     opened: list[graphs.Bundle | None] = [None]
 
     def open_bundle() -> Check:
-        opened[0], found = graphs.open_bundle(bundle_path, quick)
+        opened[0], found = graphs.open_bundle(bundle_path, quick, full)
         return found
 
     bundle_checks = _guarded("bundle", open_bundle)
@@ -87,7 +91,9 @@ def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot) -> Report:
     if cls is None:
         add([Check("graphs", "skip", "rknnlite does not import (see rknn-toolkit-lite2)")])
         return report
-    add(_guarded("graphs", lambda: graphs.load_graphs(bundle, cls, on_board, LATENCY_RUNS)))
+    if empty_rknn is not None:
+        add(_guarded("empty graph", lambda: graphs.empty_graph(empty_rknn, cls, runs)))
+    add(_guarded("graphs", lambda: graphs.load_graphs(bundle, cls, on_board, runs)))
     return report
 
 
@@ -100,7 +106,8 @@ def run_doctor(args: argparse.Namespace, root: Path | None = None) -> int:
         from ling3_rknn.demo import bundle_dir
 
         bundle_path = bundle_dir()
-    report = diagnose(Path(bundle_path), args.quick, SysRoot(root))
+    report = diagnose(Path(bundle_path), args.quick, SysRoot(root), runs=args.runs or LATENCY_RUNS,
+                      full=args.full, empty_rknn=args.empty_rknn)
     print(report.to_json() if args.json else report.to_text(), flush=True)
     if not args.json and not report.ready:
         print("ling3-rknn doctor: the board is not ready (fixes above)", file=sys.stderr)

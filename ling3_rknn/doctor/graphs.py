@@ -21,6 +21,7 @@ from ling3_rknn.bundle import PLACEHOLDER_MAGIC, Bundle, BundleError
 from ling3_rknn.doctor.report import Check
 
 NPU_WINDOW_BYTES = 4 << 30  # RKNNLite models share one ~4 GB address window
+EMPTY_GRAPH_SHAPE = (1, 1, 8)  # the documented empty graph: one Add over [1, 1, 8]
 _COMPILER = re.compile(rb"(\d+\.\d+\.\d+)[^\x00(]{0,16}\(compiler version")
 
 
@@ -57,8 +58,10 @@ def toolkit_version(bundle: Bundle) -> str | None:
     return None
 
 
-def open_bundle(path: Path, quick: bool) -> tuple[Bundle | None, Check]:
-    verify = "size" if quick else "stamped"
+def open_bundle(path: Path, quick: bool, full: bool = False) -> tuple[Bundle | None, Check]:
+    """The bundle verified by size (``quick``), by its remembered sha256 stamp, or hashed
+    anew (``full``)."""
+    verify = "full" if full else "size" if quick else "stamped"
     try:
         bundle = Bundle.open(path, verify=verify)
     except BundleError as exc:
@@ -72,7 +75,7 @@ def open_bundle(path: Path, quick: bool) -> tuple[Bundle | None, Check]:
     built = f"built by rknn-toolkit2 {toolkit}, " if toolkit else ""
     detail = (f"{path} (target {m.target}, {built}{len(m.stages)} graphs, "
               f"{npu_bytes / 2**20:.1f} MiB on the NPU, files checked by "
-              f"{'size' if quick else 'sha256'})")
+              f"{'size' if verify == 'size' else 'sha256'})")
     if m.target != "rk3588":
         return bundle, Check("bundle", "fail", detail + ": a --target cpu bundle has no NPU "
                              "graphs", fix="ling3-rknn convert HF_DIR OUT_DIR --target rk3588",
@@ -110,12 +113,15 @@ def load_graphs(bundle: Bundle, rknnlite_cls: type, on_board: bool, runs: int | 
             ex = RknnLiteExecutor(path, spec, core_mask=core, rknnlite_cls=rknnlite_cls)
             try:
                 timed: dict[str, float] = {}
-                row: dict[str, Any] = {"core": core, "median_ms": timed}
+                tail: dict[str, float] = {}
+                row: dict[str, Any] = {"core": core, "median_ms": timed, "p90_ms": tail}
                 dtype = np.float16 if spec.input_dtype == "float16" else np.float32
                 for group in spec.shape_sets if runs else ():
                     rng = np.random.default_rng(0)
                     feeds = [rng.normal(size=s).astype(dtype) for s in group]
-                    timed[f"T={group[0][1]}"] = round(latency(ex.run, feeds, runs)[0], 4)
+                    med, p90 = latency(ex.run, feeds, runs)
+                    timed[f"T={group[0][1]}"] = round(med, 4)
+                    tail[f"T={group[0][1]}"] = round(p90, 4)
             finally:
                 ex.close()
         except (NpuError, OSError, RuntimeError, ValueError) as exc:
@@ -134,3 +140,31 @@ def load_graphs(bundle: Bundle, rknnlite_cls: type, on_board: bool, runs: int | 
                             f"{len(dense)} dense graphs at T=1 (median of {runs}; {where})",
                             data={"ms_per_token": round(sum(dense), 4), "calls": len(dense)}))
     return checks
+
+
+def empty_graph(path: Path, rknnlite_cls: type, runs: int) -> Check:
+    """The fixed cost of one NPU call, and the runtime's version, from a graph that does
+    nothing: one Add over ``EMPTY_GRAPH_SHAPE``, built on the host with
+    ``convert.rknn_toolkit.build_rknn`` (docs/toolchain.md 5)."""
+    lite = rknnlite_cls(verbose=False)
+    try:
+        if lite.load_rknn(str(path)) != 0 or lite.init_runtime() != 0:
+            return Check("empty graph", "fail", f"{path} did not load (see the RKNNLite log "
+                         "above)", fix="build it on the host: one Add over "
+                         f"{list(EMPTY_GRAPH_SHAPE)} (convert.rknn_toolkit.build_rknn)")
+        sdk = lite.get_sdk_version()
+
+        def call(x: np.ndarray) -> None:
+            if lite.inference(inputs=[x]) is None:
+                raise RuntimeError("inference returned None (see the RKNNLite log)")
+
+        try:
+            med, p90 = latency(call, [np.zeros(EMPTY_GRAPH_SHAPE, np.float32)], runs)
+        except RuntimeError as exc:
+            return Check("empty graph", "fail", f"{path}: {exc}; it must take one "
+                         f"{list(EMPTY_GRAPH_SHAPE)} input", data={"sdk": sdk})
+        return Check("empty graph", "ok", f"{med:.3f} ms median, {p90:.3f} ms p90 per call "
+                     f"(runtime {sdk})",
+                     data={"sdk": sdk, "median_ms": round(med, 4), "p90_ms": round(p90, 4)})
+    finally:
+        lite.release()

@@ -100,10 +100,13 @@ class EngineError(Exception):
 
 
 class ContextLengthExceeded(EngineError):
-    def __init__(self, prompt_tokens: int, max_context: int) -> None:
+    """``at_least``: the prompt was refused before it was encoded whole, so its length is
+    a lower bound."""
+
+    def __init__(self, prompt_tokens: int, max_context: int, *, at_least: bool = False) -> None:
         super().__init__(
             f"This model's maximum context length is {max_context} tokens; "
-            f"the prompt has {prompt_tokens} tokens."
+            f"the prompt has {'at least ' if at_least else ''}{prompt_tokens} tokens."
         )
         self.prompt_tokens = prompt_tokens
         self.max_context = max_context
@@ -150,6 +153,8 @@ class EngineStats:
     cache_entries: int = 0  # snapshots indexed (in memory or on disk)
     cache_disk_bytes: int = 0
     cancelled: int = 0  # requests whose consumer went away before the end
+    grammar_cache_bytes: int = 0  # compiled grammars kept (engine/grammar_constraint.py)
+    grammar_cache_entries: int = 0
 
 
 class EngineProtocol(Protocol):

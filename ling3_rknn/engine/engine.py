@@ -21,6 +21,7 @@ import numpy as np
 
 from ling3_rknn.chat import markers
 from ling3_rknn.chat.events import Admitted, Finished, GenerationEvent
+from ling3_rknn.tokenizer import TooManyTokens
 
 from .api import (
     ContextLengthExceeded,
@@ -34,7 +35,7 @@ from .api import (
     SegmentLike,
 )
 from .call_guard import BanRows, LazyCalls, MarkerBan
-from .grammar_constraint import GrammarCompiler
+from .grammar_constraint import DEFAULT_GRAMMAR_CACHE_BYTES, GrammarCompiler
 from .prefix_cache import PrefixCache
 from .prompt_encoder import PromptEncoder
 from .runner import Counters, Job, ModelLike, Runner, RunnerOptions, TokenizerLike
@@ -70,6 +71,7 @@ class Engine:
         checkpoint_min_tokens: int = 64,
         snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
         eos_token_ids: Sequence[int] = (),
+        grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
         default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ) -> None:
         if max_context < 2:
@@ -96,7 +98,7 @@ class Engine:
             for path, note in self._cache.notes():
                 self._encoder.restore_note(note, path)
         self._counters = Counters()
-        self._grammars = GrammarCompiler(tokenizer)
+        self._grammars = GrammarCompiler(tokenizer, cache_bytes=grammar_cache_bytes)
         self._grammars.prepare()
         self._ban_rows = BanRows()
         self._runner = Runner(
@@ -177,6 +179,8 @@ class Engine:
                 cache_entries=cache.entries if cache else 0,
                 cache_disk_bytes=cache.disk_bytes if cache else 0,
                 cancelled=c.cancelled,
+                grammar_cache_bytes=self._grammars.bytes_held,
+                grammar_cache_entries=self._grammars.entries,
             )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
@@ -188,6 +192,7 @@ class Engine:
         stops = tuple(request.stop)
         if any(not isinstance(s, str) for s in stops):
             raise InvalidRequest("stop must be strings")
+        self._refuse_on_length(request.prompt)
         with self._admission:
             if self._waiting >= self._max_queue:
                 raise EngineBusy(f"{self._waiting} requests are already waiting")
@@ -195,7 +200,11 @@ class Engine:
         admitted = True
         try:
             try:
-                prompt = await asyncio.to_thread(self._encoder.encode, list(request.prompt))
+                prompt = await asyncio.to_thread(
+                    self._encoder.encode, list(request.prompt), self.max_context - 1)
+            except TooManyTokens as exc:  # stopped early: the prompt cannot fit
+                raise ContextLengthExceeded(exc.at_least, self.max_context,
+                                            at_least=True) from None
             except (ValueError, TypeError, AttributeError) as exc:  # e.g. TokenizerError
                 raise InvalidRequest(f"the prompt cannot be encoded: {exc}") from exc
             if not prompt.ids:
@@ -245,6 +254,18 @@ class Engine:
                     return
         finally:
             job.cancel.set()  # no-op once finished; stops the worker within one token
+
+    def _refuse_on_length(self, prompt: Sequence[SegmentLike]) -> None:
+        """A prompt whose length alone proves it cannot fit is refused before any encoding
+        (a token is at most ``max_token_bytes`` long, so N characters are at least
+        N / max_token_bytes tokens): a 15 MB prompt costs a sum of lengths, not a minute
+        of BPE and gigabytes of ids."""
+        longest = getattr(self._tokenizer, "max_token_bytes", None)
+        if not longest:
+            return
+        floor = -(-sum(len(seg.text) for seg in prompt) // longest)
+        if floor >= self.max_context:
+            raise ContextLengthExceeded(floor, self.max_context, at_least=True)
 
     def _constraint(self, request: GenerationRequest, budget: int) -> Any:
         """The request's per-token constraint (worker-thread objects, built off the loop):

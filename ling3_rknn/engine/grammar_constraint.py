@@ -46,7 +46,40 @@ class GrammarTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def forbidden_ids(self) -> frozenset[int]: ...
+
     def library_json(self) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+
+class _TextOnlyTokenizer:
+    """llguidance's view of the tokenizer (its ``TokenizerWrapper`` protocol): every id's
+    bytes, which ids are special, and an encoder for the text the grammar forces. Built
+    from the tokenizer's JSON instead, llguidance tokenizes forced text with the added-token
+    table, so a ``const`` that spells ``<role>`` would be forced as the special id, which
+    the grammar (text there) then rejects. Here forced text is encoded as text, as the
+    trust boundary encodes every TEXT segment (docs/serving.md 4)."""
+
+    def __init__(self, tokenizer: GrammarTokenizer) -> None:
+        self.eos_token_id = int(tokenizer.eos_id)
+        self.bos_token_id = None
+        self.special_token_ids = sorted(int(i) for i in tokenizer.forbidden_ids)
+        self.tokens = [self._bytes(tokenizer, i) for i in range(int(tokenizer.vocab_size))]
+        self._encode = tokenizer.encode_text
+
+    @staticmethod
+    def _bytes(tokenizer: GrammarTokenizer, token_id: int) -> bytes:
+        try:
+            return tokenizer.token_bytes(token_id)
+        except ValueError:  # a hole in the id range
+            return b""
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text)
 
 
 # llguidance allows a whole "slice" of the vocabulary at once where the lexer state admits
@@ -58,22 +91,43 @@ SLICES = [f"{_COMMON}{{1,10}}", f"{_COMMON}{{1,30}}", f"{_COMMON}+",
           *llguidance.LLTokenizer.general_slices()]
 
 
+# llguidance does not report a compiled grammar's size; measured (RSS after compiling,
+# this host) it holds 30 to 150 bytes per byte of Lark text (2,000 tools: ~20 MB for 683
+# KB; a 10,000-property schema: 20-50 MB for 311 KB), so the cache charges 128 per byte.
+BYTES_PER_GRAMMAR_CHAR = 128
+DEFAULT_GRAMMAR_CACHE_BYTES = 128 << 20
+
+
+def grammar_charge(text: str) -> int:
+    """The memory a compiled grammar of ``text`` is counted as holding."""
+    return (BYTES_PER_GRAMMAR_CHAR + 1) * len(text)
+
+
 class GrammarCompiler:
     """Compiles turn grammars for one tokenizer. llguidance's tokenizer view takes about a
     second to build at Ling's vocabulary and holds the GIL meanwhile, so ``prepare`` builds
     it while the model loads rather than stalling the server on the first constrained
     request."""
 
-    def __init__(self, tokenizer: Any, cached_grammars: int = 16) -> None:
+    def __init__(self, tokenizer: Any, cached_grammars: int = 16,
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._ll: llguidance.LLTokenizer | None = None
         self._unreadable: str | None = None
         # An agent sends the same tools every turn, so the same grammar: compiled matchers
-        # are kept by their text (LRU) and each request gets a copy in its start state
-        # (0.02 ms instead of ~10 ms for 20 tools).
+        # are kept by their text (LRU, the least recently used out first) and each request
+        # gets a copy in its start state (0.02 ms instead of ~10 ms for 20 tools). Bounded
+        # by count and by bytes (``grammar_charge``): 18 grammars of 10,000-property schemas
+        # held 600 MB when only the count was bounded.
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cached_grammars = cached_grammars
+        self._cache_bytes = cache_bytes
+        self.bytes_held = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._compiled)
 
     def prepare(self) -> None:
         """Build llguidance's view of the tokenizer now, where the tokenizer allows it. A
@@ -100,7 +154,7 @@ class GrammarCompiler:
                     )
                 try:
                     self._ll = llguidance.LLTokenizer(
-                        library_json(),
+                        llguidance.TokenizerWrapper(_TextOnlyTokenizer(self._tokenizer)),
                         n_vocab=int(self._tokenizer.vocab_size),
                         eos_token=int(self._tokenizer.eos_id),
                         slices=SLICES,
@@ -133,11 +187,7 @@ class GrammarCompiler:
             if source is None:
                 raise error
             text = self._text(source)
-        with self._lock:  # kept under the text the request asked for
-            self._compiled[key] = start
-            self._compiled.move_to_end(key)
-            while len(self._compiled) > self._cached_grammars:
-                self._compiled.popitem(last=False)
+        self._keep(key, start)
         return TokenConstraint(start.deep_copy(), ll.vocab_size, self._value_bound(text))
 
     def _value_bound(self, text: Any) -> ValueBound | None:
@@ -150,6 +200,23 @@ class GrammarCompiler:
             return None
         return ValueBound(min(bounds), int(ids[markers.ARG_VALUE_OPEN]),
                           int(ids[markers.ARG_VALUE_CLOSE]))
+
+    def _keep(self, key: str, matcher: llguidance.LLMatcher) -> None:
+        """Cache ``matcher`` under the text the request asked for, then evict the least
+        recently used entries past either bound (one larger than the whole budget is
+        used once and not kept)."""
+        charge = grammar_charge(key)
+        if charge > self._cache_bytes:
+            return
+        with self._lock:
+            if key not in self._compiled:
+                self.bytes_held += charge
+            self._compiled[key] = matcher
+            self._compiled.move_to_end(key)
+            while (len(self._compiled) > self._cached_grammars
+                   or self.bytes_held > self._cache_bytes):
+                old, _ = self._compiled.popitem(last=False)
+                self.bytes_held -= grammar_charge(old)
 
     def _text(self, source: GrammarSource) -> Any:
         try:

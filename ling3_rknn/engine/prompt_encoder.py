@@ -31,7 +31,12 @@ from .api import SegmentLike
 
 
 class SegmentEncoder(Protocol):
-    def encode_segments(self, segments: Sequence[SegmentLike]) -> list[int]: ...
+    def encode_segments(
+        self, segments: Sequence[SegmentLike], max_tokens: int | None = None
+    ) -> list[int]:
+        """With ``max_tokens``: raises (``tokenizer.TooManyTokens``) as soon as the prompt
+        is known not to fit, without encoding the rest."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +109,24 @@ class PromptEncoder:
         self._transcripts: OrderedDict[str, Transcript] = OrderedDict()
         self._lock = threading.Lock()
 
-    def encode(self, segments: Sequence[SegmentLike]) -> EncodedPrompt:
+    def encode(
+        self, segments: Sequence[SegmentLike], max_tokens: int | None = None
+    ) -> EncodedPrompt:
+        """The prompt's ids; with ``max_tokens`` the tokenizer stops early (and raises)
+        once the prompt is known to be longer."""
         typed = TypedText.of(segments)
         match = self._best_match(typed)
         if match is None:
-            return EncodedPrompt(self._tokenizer.encode_segments(list(segments)), typed, 0)
+            return EncodedPrompt(self._encode(list(segments), max_tokens), typed, 0)
         rest = _segments_after(segments, len(match.text))
-        ids = list(match.ids) + self._tokenizer.encode_segments(rest)
+        budget = None if max_tokens is None else max_tokens - len(match.ids)
+        ids = list(match.ids) + self._encode(rest, budget)
         return EncodedPrompt(ids, typed, len(match.ids))
+
+    def _encode(self, segments: Sequence[SegmentLike], max_tokens: int | None) -> list[int]:
+        if max_tokens is None:
+            return self._tokenizer.encode_segments(segments)
+        return self._tokenizer.encode_segments(segments, max_tokens=max_tokens)
 
     def remember(
         self, prompt: EncodedPrompt, generated_text: str, generated_ids: Sequence[int], eos_id: int

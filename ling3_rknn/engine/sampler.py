@@ -73,6 +73,11 @@ def defaults_from_generation_config(config: Mapping[str, Any]) -> SamplingParams
     )
 
 
+# Beyond these a penalty divides or multiplies a logit past float range (1e-300 turned
+# every seen token's logit infinite and failed the generation as a model error).
+REPETITION_PENALTY = (0.01, 100.0)
+
+
 def resolve_settings(request: SamplingParams, defaults: SamplingParams) -> SamplerSettings:
     """Merge a request's knobs over the defaults and validate every value."""
 
@@ -92,21 +97,27 @@ def resolve_settings(request: SamplingParams, defaults: SamplingParams) -> Sampl
         frequency_penalty=float(pick("frequency_penalty", 0.0)),
         seed=request.seed if request.seed is not None else defaults.seed,
     )
+    low, high = REPETITION_PENALTY
     checks = [
-        (math.isfinite(s.temperature) and s.temperature >= 0.0, "temperature must be >= 0"),
-        (s.top_k >= -1, "top_k must be >= 0 (0 or -1 disables it)"),
-        (0.0 < s.top_p <= 1.0, "top_p must be in (0, 1]"),
-        (0.0 <= s.min_p <= 1.0, "min_p must be in [0, 1]"),
+        (math.isfinite(s.temperature) and s.temperature >= 0.0, "temperature",
+         "temperature must be >= 0"),
+        (s.top_k >= -1, "top_k", "top_k must be >= 0 (0 or -1 disables it)"),
+        (0.0 < s.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+        (0.0 <= s.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
         (
-            math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0.0,
-            "repetition_penalty must be > 0",
+            math.isfinite(s.repetition_penalty) and low <= s.repetition_penalty <= high,
+            "repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}]",
         ),
-        (math.isfinite(s.presence_penalty), "presence_penalty must be finite"),
-        (math.isfinite(s.frequency_penalty), "frequency_penalty must be finite"),
+        (math.isfinite(s.presence_penalty), "presence_penalty",
+         "presence_penalty must be finite"),
+        (math.isfinite(s.frequency_penalty), "frequency_penalty",
+         "frequency_penalty must be finite"),
+        (s.seed is None or (isinstance(s.seed, int) and s.seed >= 0), "seed",
+         "seed must be a non-negative integer"),
     ]
-    for ok, message in checks:
+    for ok, param, message in checks:
         if not ok:
-            raise InvalidRequest(message)
+            raise InvalidRequest(message, param)
     if s.top_k < 0:
         s = SamplerSettings(**{**s.__dict__, "top_k": 0})
     return s

@@ -34,9 +34,10 @@ from .weights import CheckpointWeights
 
 # Dropping a prefill scratch at least this large gives the freed pages back (memory.py).
 TRIM_AFTER_BYTES = 64 << 20
-# Whether a decode token's KDA heads are shared out over the glue threads (measured in
-# docs/performance.md).
-KDA_DECODE_SPLIT = False
+# Set to 1: a decode token's KDA heads are shared out over the glue threads
+# (``Model.kda_decode_split``; slower on the host, to be measured on the board:
+# docs/performance.md, "KDA step").
+KDA_DECODE_SPLIT_ENV = "LING3_RKNN_KDA_DECODE_SPLIT"
 
 
 class Model:
@@ -66,6 +67,8 @@ class Model:
         self._pool: ThreadPoolExecutor | None = None  # glue split (_split_pool), made on use
         # bytes one sequence's expanded-prefill rows may take (mla_expanded.py); 0: never
         self.prefill_scratch_bytes = PREFILL_SCRATCH_BYTES
+        # share a decode token's KDA heads over the glue threads (off: measured slower here)
+        self.kda_decode_split = os.environ.get(KDA_DECODE_SPLIT_ENV, "0") == "1"
         native.available()  # load (or build, once per machine) the decode kernels now
 
     @classmethod
@@ -224,8 +227,8 @@ class Model:
         return self.stages.mla_output(i, x, ctx, inp.gate)
 
     def _decode_pool(self) -> ThreadPoolExecutor | None:
-        """Threads for a decode token's KDA heads (``KDA_DECODE_SPLIT``)."""
-        return self._split_pool() if KDA_DECODE_SPLIT else None
+        """Threads for a decode token's KDA heads (``kda_decode_split``)."""
+        return self._split_pool() if self.kda_decode_split else None
 
     def _split_pool(self) -> ThreadPoolExecutor | None:
         """Threads for the glue's large calls: prefill KDA heads, long MLA attention."""

@@ -6,6 +6,7 @@ Anthropic Messages) share one flow (``generation_route``); start-up and shutdown
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -27,6 +28,7 @@ from ling3_rknn.server.lifecycle import (
     serving,
 )
 from ling3_rknn.server.metrics import CONTENT_TYPE, ServerMetrics
+from ling3_rknn.server.origin import check_host_and_origin
 from ling3_rknn.server.responses import models_body
 from ling3_rknn.server.responses_api import responses_route
 from ling3_rknn.server.state import (
@@ -91,6 +93,19 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
     return errors.from_http_exception(exc)
 
 
+async def _read_body(request: web.Request, timeout_s: float) -> None:
+    """Read the body (aiohttp keeps it for the handler's ``read()``) within ``timeout_s``:
+    a client that sends headers and then trickles or withholds its body must not hold a
+    connection and a handler forever. The body limit (413) applies as it reads."""
+    if not request.body_exists:
+        return
+    try:
+        await asyncio.wait_for(request.read(), timeout_s)
+    except TimeoutError:
+        raise errors.ApiError(408, f"The request body did not arrive within {timeout_s:g} s.",
+                              code="request_timeout") from None
+
+
 def _route_label(request: web.Request) -> str:
     info = request.match_info
     resource = info.route.resource if info.http_exception is None else None
@@ -106,14 +121,27 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
     metrics = request.app[METRICS]
     response: web.StreamResponse | None = None
     try:
-        _check_auth(request, request.app[CONFIG].api_key)
+        config = request.app[CONFIG]
+        # /health says only whether the model is up: open like it is to the key (HAProxy's
+        # checks send their own Host).
+        if config.api_key is None and request.path not in _OPEN_PATHS:
+            check_host_and_origin(request.headers.get("Host"), request.headers.get("Origin"),
+                                  config.allowed_hosts, config.allowed_origins)
+        _check_auth(request, config.api_key)
+        await _read_body(request, config.body_timeout_s)
         response = await handler(request)
     except ApiError as exc:
         response = _error_response(request, exc, request_id)
+        metrics.errors.labels(errors.error_kind(exc)).inc()
+        if exc.status == 408:  # the rest of the body is not worth waiting for
+            response.force_close()
     except web.HTTPException as exc:
-        response = _error_response(request, _http_error(request, exc), request_id)
+        error = _http_error(request, exc)
+        metrics.errors.labels(errors.error_kind(error)).inc()
+        response = _error_response(request, error, request_id)
     except Exception:
         log.exception("request %s failed", request_id)
+        metrics.errors.labels("internal").inc()
         response = _error_response(request, errors.internal(request_id), request_id)
     else:
         if not response.prepared:
@@ -171,6 +199,8 @@ def create_app(
 ) -> web.Application:
     """The aiohttp application. ``loader`` (run in a thread at start-up) fills ``holder``."""
     config = config or AppConfig()
+    if config.api_key is not None and not config.api_key.strip():
+        raise ValueError("api_key must not be empty: an empty Bearer token would pass")
     app = web.Application(middlewares=[_envelope], client_max_size=config.max_body_bytes)
     app[ENGINE] = holder
     app[CONFIG] = config

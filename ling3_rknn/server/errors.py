@@ -57,6 +57,19 @@ class ApiError(Exception):
         )
 
 
+def error_kind(error: ApiError) -> str:
+    """Who an error is about, for /metrics: ``client`` (the request was wrong, 4xx),
+    ``device`` (the model or NPU failed), ``unavailable`` (busy, loading, shutting down)
+    or ``internal`` (a bug)."""
+    if error.code == "engine_failure":
+        return "device"
+    if error.status == 503:
+        return "unavailable"
+    if error.status >= 500:
+        return "internal"
+    return "client"
+
+
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 

@@ -5,7 +5,7 @@ on disconnect, metrics, error events and the completion log line.
 A route is a ``WireApi``: a reader from its JSON body to the one internal ``ChatRequest``
 (plus whatever its writer must echo back) and a writer from the token-event vocabulary
 (``chat.events``) to its wire format. Nothing here knows a wire format, so the three routes
-cannot drift apart in how they admit, cancel, count or fail (docs/serving.md 6 and 11).
+cannot drift apart in how they admit, cancel, count or fail (docs/serving.md 6 and 10).
 """
 
 from __future__ import annotations
@@ -72,9 +72,8 @@ class WireApi:
     writer: Callable[[ChatRequest, Any, str, bool], WireWriter]  # (request, notes, model, stream)
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object; anything else is a 400."""
-    raw = await request.read()
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; anything else is a 400."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -82,15 +81,31 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return require_object(body)
 
 
-def check_model(request: web.Request, model: str) -> None:
+def served_models(request: web.Request) -> tuple[str, ...]:
+    """The served id and its aliases (the first: the served id)."""
+    return (request.app[ENGINE].require().model_id, *request.app[CONFIG].model_aliases)
+
+
+def check_model(model: str, models: tuple[str, ...]) -> None:
     """A model that is neither the served id nor an alias is a 404 naming both."""
-    engine = request.app[ENGINE].require()
-    if model not in (engine.model_id, *request.app[CONFIG].model_aliases):
+    if model not in models:
         raise errors.not_found(
-            f"The model '{model}' does not exist; this server serves '{engine.model_id}'.",
+            f"The model '{model}' does not exist; this server serves '{models[0]}'.",
             "model_not_found",
             "model",
         )
+
+
+def _prepare(api: WireApi, raw: bytes, engine: Any, models: tuple[str, ...],
+             request_id: str) -> tuple[Completion, WireWriter]:
+    """Body to a ready Completion and its writer: JSON parsing, the reader's checks,
+    rendering and the grammar's text. Their cost grows with what the client sent (a 16 MB
+    body, 2,000 tools), so this runs in a worker thread, never on the event loop every
+    other client needs."""
+    chat_request, notes = api.read(parse_json(raw))
+    check_model(chat_request.model, models)
+    completion = Completion(engine, chat_request, request_id)
+    return completion, api.writer(chat_request, notes, engine.model_id, chat_request.stream)
 
 
 def route(api: WireApi) -> Callable[[web.Request], Any]:
@@ -108,10 +123,10 @@ async def serve(request: web.Request, api: WireApi) -> web.StreamResponse:
     if app[STATE].get("stopping"):  # a keep-alive connection during the drain
         raise errors.shutdown()
     engine = app[ENGINE].require()
-    chat_request, notes = api.read(await read_json(request))
-    check_model(request, chat_request.model)
-    completion = Completion(engine, chat_request, request[RID])
-    writer = api.writer(chat_request, notes, engine.model_id, chat_request.stream)
+    raw = await request.read()
+    completion, writer = await asyncio.to_thread(_prepare, api, raw, engine,
+                                                 served_models(request), request[RID])
+    chat_request = completion.request
     metrics = app[METRICS]
     task = asyncio.current_task()
     if app[STATE].get("stopping"):  # the drain began while the body was being read
@@ -194,7 +209,7 @@ async def _stream(request: web.Request, api: WireApi, completion: Completion,
                     if data:
                         await sse.write(data)
         except ApiError as exc:
-            await _send_error(sse, writer, exc, request[RID])
+            await _send_error(sse, writer, exc, request[RID], metrics)
         except asyncio.CancelledError:
             if not app[STATE].get("stopping"):
                 raise
@@ -202,13 +217,14 @@ async def _stream(request: web.Request, api: WireApi, completion: Completion,
             # cleanly instead of cutting the connection.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(
-                    _send_error(sse, writer, errors.shutdown(), request[RID]), 1.0)
+                    _send_error(sse, writer, errors.shutdown(), request[RID], metrics), 1.0)
         except ConnectionError:
             metrics.disconnects.inc()
             return response
         except Exception:
             log.exception("stream %s failed", request[RID])
-            await _send_error(sse, writer, errors.internal(request[RID]), request[RID])
+            await _send_error(sse, writer, errors.internal(request[RID]), request[RID],
+                              metrics)
         finally:
             await sse.stop_keep_alive()
         with contextlib.suppress(ConnectionError):
@@ -222,12 +238,13 @@ async def _stream(request: web.Request, api: WireApi, completion: Completion,
 
 
 async def _send_error(sse: SseWriter, writer: WireWriter, error: ApiError,
-                      request_id: str) -> None:
+                      request_id: str, metrics: ServerMetrics) -> None:
     """Errors after the headers went out are an event in the format's shape (docs/serving.md
     6.5); a client that is already gone does not need one. The access log says 200 for such
     a stream, so the error is logged here."""
     log.warning("%s stream ended with error %d %s: %s", request_id, error.status,
                 error.code or error.type, error.message)
+    metrics.errors.labels(errors.error_kind(error)).inc()
     with contextlib.suppress(ConnectionError):
         await sse.write(writer.error_event(error))
 

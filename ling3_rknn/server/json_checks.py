@@ -26,6 +26,31 @@ def fail(path: str, message: str) -> None:
     raise Invalid(f"{path}: {message}" if path else message, path or None)
 
 
+# JSON nested deeper than this anywhere in a body is refused before any code walks it
+# recursively (schema rewriting, rendering, json.dumps): Python's recursion limit would
+# otherwise turn a client's 600-deep schema into a 500. Real schemas and histories stay
+# far below (a tool parameter nested 20 objects deep is about 45 levels of the body).
+MAX_DEPTH = 128
+
+
+def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
+    """Raise ``Invalid`` naming the first place ``value`` nests deeper than ``limit``
+    (iterative: the check itself cannot overflow the stack)."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = ((join(path, str(k)), v) for k, v in node.items())
+        elif isinstance(node, list):
+            children = ((f"{path}[{i}]", v) for i, v in enumerate(node))
+        else:
+            continue
+        if depth >= limit:
+            fail(path, f"nested more than {limit} levels deep")
+        stack.extend((child, where, depth + 1) for where, child in children
+                     if isinstance(child, dict | list))
+
+
 def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -125,6 +150,15 @@ def any_object(value: Any, path: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         fail(path, f"expected an object, got {type_name(value)}")
     return value
+
+
+def type_tag(value: Any, path: str) -> str | None:
+    """An object's ``type`` field, which tagged unions switch on: a string, or None when
+    absent; anything else is a 400 naming it (never a lookup of an unhashable value)."""
+    kind = any_object(value, path).get("type")
+    if kind is not None and not isinstance(kind, str):
+        fail(join(path, "type"), f"expected a string, got {type_name(kind)}")
+    return kind
 
 
 def string_map(value: Any, path: str) -> dict[str, str]:

@@ -14,6 +14,13 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from ling3_rknn.engine.api import EngineProtocol
+from ling3_rknn.server.connections import (
+    ConnectionLimits,
+    ConnectionTracker,
+    GuardedSite,
+    default_max_connections,
+    quiet_accept_errors,
+)
 from ling3_rknn.server.sd_notify import notify
 from ling3_rknn.server.state import CONFIG, ENGINE, RUNNING, STATE
 
@@ -96,10 +103,19 @@ async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[i
         access_log=None,  # the envelope middleware logs every request with its id
         logger=_ProtocolLog(logging.getLogger("aiohttp.server"), {}),
         shutdown_timeout=app[CONFIG].shutdown_timeout_s,
+        # After an answer sent before its body was read (413, 408), aiohttp reads and drops
+        # the rest for this long so the client sees the answer; 10 s by default, which a
+        # client that never sends the rest holds a connection for.
+        lingering_time=2.0,
+        keepalive_timeout=app[CONFIG].keepalive_timeout_s,
     )
     await runner.setup()
+    config = app[CONFIG]
+    tracker = ConnectionTracker(ConnectionLimits(
+        config.max_connections or default_max_connections(), config.header_timeout_s))
+    quiet_accept_errors(asyncio.get_running_loop(), tracker)
     try:
-        site = web.TCPSite(runner, host, port)
+        site = GuardedSite(runner, host, port, tracker)
         await site.start()
         bound = runner.addresses[0][1]
         yield bound

@@ -74,6 +74,12 @@ class _EngineCollector(Collector):
             "prefix_cache_disk_bytes": (stats.cache_disk_bytes, "Bytes of snapshots on disk."),
             "prefix_cache_entries": (stats.cache_entries, "Snapshots indexed (memory or disk)."),
             "queue_depth": (stats.queue_depth, "Generations waiting for the model."),
+            "grammar_cache_bytes": (
+                stats.grammar_cache_bytes,
+                "Memory counted for compiled grammars kept for reuse (an estimate from their "
+                "size; bounded by the engine's grammar cache budget).",
+            ),
+            "grammar_cache_entries": (stats.grammar_cache_entries, "Compiled grammars kept."),
         }
         for name, (value, doc) in gauges.items():
             family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
@@ -110,6 +116,14 @@ class ServerMetrics:
             "Chat completions served under a grammar (docs/serving.md 9), by what it "
             "enforced: named, required, allowed_tools, response_format, tools, or auto "
             "(plain auto with tools: the lazy grammar of its calls, 9.1).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            f"{PREFIX}_request_errors",
+            "Error answers (HTTP errors and errors ending a stream) by kind: client (the "
+            "request was invalid), device (the model or NPU failed), unavailable (busy, "
+            "loading, shutting down) or internal.",
             ["kind"],
             registry=self.registry,
         )

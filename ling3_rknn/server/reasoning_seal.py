@@ -4,7 +4,7 @@
 Both exist so that a client which does not keep the reasoning as text (Codex sends
 ``store: false`` and keeps only the encrypted value; Claude Code asks for thinking with
 ``display: "omitted"``) can send it back and the server re-renders the assistant turn byte
-for byte, which is what makes the next turn hit the prefix cache (docs/serving.md 11.3).
+for byte, which is what makes the next turn hit the prefix cache (docs/serving.md 10.3).
 The value is the reasoning text itself, base64url-encoded, with a SHA-256 check: not a
 secret (the client may read its own model's reasoning), but a value this server did not
 write, or one altered on the way, is refused by name instead of silently rendering a

@@ -24,6 +24,23 @@ class AppConfig:
     # After SIGTERM, how long the listener stays open answering /health and new requests
     # with 503 before running requests are ended: time for a load balancer to stop sending.
     drain_s: float = 0.0
+    # A new connection must send its request headers within this, and a request its body
+    # within ``body_timeout_s`` once its headers are in; slower ones are closed (408 for
+    # a body), so silent connections cannot pile up.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    # An idle keep-alive connection (or one that began its next request's headers and
+    # stopped) is closed after this; aiohttp's own default without web.run_app is an hour.
+    keepalive_timeout_s: float = 75.0
+    # Open connections allowed (beyond it: 503 and close); None: the descriptor limit less
+    # a reserve (server/connections.py).
+    max_connections: int | None = None
+    # Without an API key any web page the user opens could drive a loopback server (and,
+    # by DNS rebinding, read its answers): a keyless server answers only requests whose
+    # Host is a loopback name or one of ``allowed_hosts``, and whose Origin, when a browser
+    # sends one, is a loopback origin or one of ``allowed_origins`` ("*": any).
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
 
 class EngineHolder:

@@ -24,6 +24,7 @@ from ling3_rknn.server.json_checks import (
     any_object,
     array,
     boolean,
+    check_depth,
     fail,
     integer,
     join,
@@ -36,6 +37,9 @@ from ling3_rknn.server.json_checks import (
     type_name,
 )
 
+# Outside this range the penalty divides or multiplies logits past float range (1e-300
+# made every logit infinite); the engine checks the same bounds (engine/sampler.py).
+REPETITION_PENALTY = (0.01, 100.0)
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_STOP_STRINGS = 4
@@ -320,10 +324,10 @@ _TOP_LEVEL: dict[str, Check] = {
     "top_p": nullable(number(0.0, 1.0, open_low=True)),
     "top_k": nullable(integer(0)),
     "min_p": nullable(number(0.0, 1.0)),
-    "repetition_penalty": nullable(number(0.0, None, open_low=True)),
+    "repetition_penalty": nullable(number(REPETITION_PENALTY[0], REPETITION_PENALTY[1])),
     "presence_penalty": nullable(number(-2.0, 2.0)),
     "frequency_penalty": nullable(number(-2.0, 2.0)),
-    "seed": nullable(integer()),
+    "seed": nullable(integer(0)),
     "stop": nullable(_stop),
     "n": nullable(integer(1, 1)),
     "tools": nullable(array(_tool)),
@@ -434,6 +438,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 
 def require_object(body: Any) -> dict[str, Any]:
+    """The decoded body, if it is an object nested no deeper than ``MAX_DEPTH``."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.", param=None)
+    try:
+        check_depth(body)
+    except Invalid as exc:
+        raise invalid_request(exc.message, exc.param) from None
     return body

@@ -16,7 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from test_doctor import fake_board
+from fake_board import fake_board
 
 from ling3_rknn.cpu_threads import ThreadPolicy, biggest_cores, is_rk3588
 from ling3_rknn.demo import bundle_dir

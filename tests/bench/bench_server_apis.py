@@ -1,5 +1,5 @@
 """The Responses and Anthropic Messages routes measured against the chat route (figures
-for docs/serving.md 11; never asserted in tests).
+for docs/serving.md 10; never asserted in tests).
 
 1. Per streamed token, what each route adds over the chat route on the same request: the
    scripted engine (zero model cost) streams N one-token pieces of answer text through

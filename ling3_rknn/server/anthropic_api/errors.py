@@ -2,7 +2,7 @@
 the status codes Anthropic's clients act on. The queue's 503s (busy, loading, draining)
 become 529 ``overloaded_error``, which the Anthropic SDKs and Claude Code retry with
 backoff; a prompt over the context limit says "prompt is too long: N tokens > M maximum",
-the text Claude Code compacts on (docs/serving.md 11.5)."""
+the text Claude Code compacts on (docs/serving.md 10.5)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ byte for byte and the next turn hits the prefix cache); a user message's ``tool_
 blocks become ``tool`` messages and its text a user message. Keys are checked strictly,
 unknown ones are a 400 naming their path (``messages[1].content[0].input``);
 ``cache_control`` markers are accepted everywhere and change nothing (the prefix cache is
-automatic). Details: docs/serving.md 11.4.
+automatic). Details: docs/serving.md 10.4.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ling3_rknn.server.json_checks import (
     one_of,
     string,
     type_name,
+    type_tag,
 )
 from ling3_rknn.server.validate import MAX_STOP_STRINGS, TOOL_NAME, ChatRequest
 
@@ -56,7 +57,7 @@ class MessagesNotes:
 
 
 def _text_block(value: Any, path: str) -> str:
-    kind = any_object(value, path).get("type")
+    kind = type_tag(value, path)
     if kind != "text":
         fail(join(path, "type"), f"content block type {kind!r} is not supported here: this "
                                  "model reads text only")
@@ -77,7 +78,7 @@ def _result_block(value: Any, path: str) -> str:
     """A tool result block: text as is; an image or document (Claude Code's Read returns
     one for an image file) becomes a note saying so, since refusing it would wedge the
     agent's session."""
-    kind = any_object(value, path).get("type")
+    kind = type_tag(value, path)
     if kind in ("image", "document"):
         return f"[{kind} omitted: this model reads text only]"
     return _text_block(value, path)
@@ -112,7 +113,7 @@ _ROLE_BLOCKS = {"user": ("text", "tool_result"), "system": ("text",),
 
 
 def _block(value: Any, path: str, role: str) -> dict[str, Any]:
-    kind = any_object(value, path).get("type")
+    kind = type_tag(value, path)
     if kind not in _ROLE_BLOCKS[role]:
         allowed = ", ".join(repr(k) for k in _ROLE_BLOCKS[role])
         fail(join(path, "type"), f"{role} content blocks here are {allowed}; got {kind!r} "
@@ -271,7 +272,7 @@ class Thinking:
 
 
 def _thinking(value: Any, path: str) -> Thinking:
-    kind = any_object(value, path).get("type")
+    kind = type_tag(value, path)
     display = nullable(one_of("summarized", "omitted"))
     if kind == "enabled":
         fields = json_object(value, path, {"type": string, "budget_tokens": integer(1),

@@ -6,7 +6,7 @@ sealed by ``reasoning_seal``, so it comes back next turn even when the client as
 ``display: "omitted"`` and got no text), ``text``, then one ``tool_use`` per call. Usage
 follows Anthropic's split: ``input_tokens`` are the prompt tokens evaluated,
 ``cache_read_input_tokens`` those the prefix cache supplied (their sum is the prompt);
-streams give the final figures in ``message_delta`` (docs/serving.md 11.4).
+streams give the final figures in ``message_delta`` (docs/serving.md 10.4).
 """
 
 from __future__ import annotations

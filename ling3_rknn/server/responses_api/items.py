@@ -22,6 +22,7 @@ from ling3_rknn.server.json_checks import (
     one_of,
     string,
     type_name,
+    type_tag,
 )
 from ling3_rknn.server.responses_api.tools import ToolSet
 
@@ -31,7 +32,7 @@ _ANY = lambda v, p: v  # noqa: E731  (accepted as sent: annotations, logprobs, i
 
 
 def _part_text(value: Any, path: str) -> str:
-    kind = any_object(value, path).get("type")
+    kind = type_tag(value, path)
     if kind not in _TEXT_PARTS:
         fail(join(path, "type"), f"content part type {kind!r} is not supported: this model "
                                  "reads text only")
@@ -56,7 +57,7 @@ _OMITTED = "[{kind} omitted: this model reads text only]"
 def _output_part(value: Any, path: str) -> str:
     """A tool output part: text as is; an image or file (Codex's ``view_image`` returns
     one) becomes a note saying so, since refusing it would wedge the agent's session."""
-    kind = any_object(value, path).get("type")
+    kind = type_tag(value, path)
     if kind in ("input_image", "input_file", "input_audio"):
         return _OMITTED.format(kind=kind.removeprefix("input_"))
     return _part_text(value, path)

@@ -2,7 +2,7 @@
 
 Every key is checked and an unknown one is a 400 naming its path (``input[3].content``),
 as on the chat route. Keys clients send that change nothing here are accepted by name
-(docs/serving.md 11.1). ``previous_response_id`` is refused with the spec's error: this
+(docs/serving.md 10.1). ``previous_response_id`` is refused with the spec's error: this
 server keeps no responses (clients such as Codex send ``store: false`` and the whole
 history every turn, which is also what lets the prefix cache match).
 """
@@ -27,6 +27,7 @@ from ling3_rknn.server.json_checks import (
     one_of,
     string,
     string_map,
+    type_tag,
 )
 from ling3_rknn.server.responses_api.items import read_input
 from ling3_rknn.server.responses_api.tools import ToolSet, read_tool_choice, read_tools
@@ -59,7 +60,7 @@ def _schema_name(value: Any, path: str) -> str:
 
 
 def _format(value: Any, path: str) -> dict[str, Any]:
-    kind = any_object(value, path).get("type")
+    kind = type_tag(value, path)
     if kind == "json_schema":
         return json_object(value, path, {
             "type": string, "name": _schema_name, "schema": any_object,

@@ -26,6 +26,7 @@ from ling3_rknn.server.json_checks import (
     one_of,
     string,
     type_name,
+    type_tag,
 )
 from ling3_rknn.server.validate import TOOL_NAME
 
@@ -101,7 +102,7 @@ def read_tools(value: Any, path: str = "tools") -> ToolSet:
     seen: dict[str, str] = {}
     for i, tool in enumerate(value):
         where = f"{path}[{i}]"
-        kind = any_object(tool, where).get("type")
+        kind = type_tag(tool, where)
         if kind == "function":
             entries = [(_function(tool, where), join(where, "name"), None)]
         elif kind == "namespace":

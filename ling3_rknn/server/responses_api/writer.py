@@ -5,7 +5,7 @@ The output items follow the order the model writes: a ``reasoning`` item (its te
 one ``summary_text``, and with ``include: ["reasoning.encrypted_content"]`` that text
 sealed so the client can send it back, ``reasoning_seal``), a ``message`` with one
 ``output_text`` part, then one ``function_call`` item per call. Streamed and whole answers
-are built from the same items, so they always agree (docs/serving.md 11.2).
+are built from the same items, so they always agree (docs/serving.md 10.2).
 """
 
 from __future__ import annotations
