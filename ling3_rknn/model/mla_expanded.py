@@ -162,7 +162,9 @@ def expanded_attention(q_latent: np.ndarray, q_rope: np.ndarray, rows: ExpandedR
     t_len, h, _ = q_latent.shape
     b = rows.bases
     dv = b.value.shape[2]
-    q_small = np.einsum("thr,hrd->htd", q_latent, b.key)  # U_h^T q_lat_h
+    # U_h^T q_lat_h per head as one batched GEMM ([h, t, r] @ [h, r, d]); np.einsum's own
+    # loop measured ~10x slower here at the full model's size
+    q_small = np.matmul(q_latent.transpose(1, 0, 2), b.key)
     q_cat = np.concatenate([q_small, q_rope.transpose(1, 0, 2)], axis=2) * np.float32(scale)
     first_pos = length - t_len
     q_pos = first_pos + np.arange(t_len, dtype=np.int64)
@@ -181,7 +183,8 @@ def expanded_attention(q_latent: np.ndarray, q_rope: np.ndarray, rows: ExpandedR
     if any(c.failed for c in calls):
         return None
     ctx_small = np.stack([c.result() for c in calls])  # [H, T, d_v]
-    return np.einsum("htd,hrd->thr", ctx_small, b.value)  # back to latent space: V_h ctx~
+    # back to latent space, V_h ctx~_h: [h, t, d_v] @ [h, d_v, r] -> [t, h, r]
+    return np.matmul(ctx_small, b.value.transpose(0, 2, 1)).transpose(1, 0, 2)
 
 
 def _shares(n: int, parts: int) -> list[tuple[int, int]]:
