@@ -38,15 +38,21 @@ def sized_prompt(count: Callable[[Sequence[Any]], int], target: int, tag: str
         user = {"role": "user", "content": " ".join(words[:n])}
         return render([system, user], None, enable_thinking=False)
 
-    lo, hi = 0, len(words)  # invariant: build(lo) fits; binary search on whole words
+    segments = build(_largest_fitting(lambda n: count(build(n)), target, len(words)))
+    return segments, count(segments)
+
+
+def _largest_fitting(count_of: Callable[[int], int], target: int, most: int) -> int:
+    """The largest n in [0, most] whose prompt has at most ``target`` tokens (binary search:
+    the count grows with n; 0 when nothing fits)."""
+    lo, hi = 0, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if count(build(mid)) <= target:
+        if count_of(mid) <= target:
             lo = mid
         else:
             hi = mid - 1
-    segments = build(lo)
-    return segments, count(segments)
+    return lo
 
 
 def agent_turn_one() -> list[dict[str, Any]]:
@@ -105,12 +111,6 @@ def agent_first_request(count: Callable[[Sequence[Any]], int], target: int, tag:
         return render([{"role": "system", "content": system},
                        {"role": "user", "content": question}], tools, enable_thinking=False)
 
-    lo, hi = 0, len(lines)  # invariant: build(lo) fits (or nothing does)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if count(build(mid)) <= target:
-            lo = mid
-        else:
-            hi = mid - 1
-    segments = build(lo)
-    return segments, count(segments), lambda question: build(lo, question)
+    n = _largest_fitting(lambda k: count(build(k)), target, len(lines))
+    segments = build(n)
+    return segments, count(segments), lambda question: build(n, question)
