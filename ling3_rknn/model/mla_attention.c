@@ -179,6 +179,23 @@ static void widen_rows(const uint16_t *restrict src, int64_t count, float *restr
 }
 #endif
 
+/* n rows of a block from row j0 on, as float32: in place for a float32 cache, widened into
+ * `wide` (GROUP * stride floats) for a float16 one. */
+static const float *group_rows(const void *block, int64_t j0, int n, int64_t stride, int half,
+                               float *wide) {
+#ifdef HAVE_FLOAT16
+    if (half) {
+        widen_rows((const uint16_t *)block + j0 * stride, n * stride, wide);
+        return wide;
+    }
+#else
+    (void)half;
+    (void)wide;
+    (void)n;
+#endif
+    return (const float *)block + j0 * stride;
+}
+
 /*
  * Softmax attention state of one token's heads over the rows of n_blocks blocks
  * (block b holds lengths[b] rows of `stride` values, float32 or, with `half`, float16; a row
@@ -203,19 +220,11 @@ int mla_decode_attend(const float *qT, int heads, int d, int r, const void *cons
         runmax[h] = -INFINITY;
     }
     float *maxes = scratch + (int64_t)GROUP * heads, *factors = maxes + heads;
-#ifdef HAVE_FLOAT16
     float *wide = factors + heads; /* GROUP rows as float32, for a float16 cache */
-#endif
     for (int b = 0; b < n_blocks; b++) {
         for (int64_t j0 = 0; j0 < lengths[b]; j0 += GROUP) {
             const int n = (int)(lengths[b] - j0 < GROUP ? lengths[b] - j0 : GROUP);
-            const float *rows = (const float *)blocks[b] + j0 * stride;
-#ifdef HAVE_FLOAT16
-            if (half) {
-                widen_rows((const uint16_t *)blocks[b] + j0 * stride, n * stride, wide);
-                rows = wide;
-            }
-#endif
+            const float *rows = group_rows(blocks[b], j0, n, stride, half, wide);
             if (heads == HEADS)
                 scores16(qT, d, rows, stride, n, scratch);
             else
@@ -268,9 +277,7 @@ int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int 
     float *denom = scores + (int64_t)TILE_BLOCK * GROUP * HEADS; /* [TILE_BLOCK][16] */
     float *runmax = denom + TILE_BLOCK * HEADS;                /* [TILE_BLOCK][16] */
     float *maxes = runmax + TILE_BLOCK * HEADS, *factors = maxes + HEADS;
-#ifdef HAVE_FLOAT16
-    float *wide = factors + HEADS;
-#endif
+    float *wide = factors + HEADS; /* as above */
     for (int t0 = 0; t0 < tiles; t0 += TILE_BLOCK) {
         const int nt = tiles - t0 < TILE_BLOCK ? tiles - t0 : TILE_BLOCK;
         int64_t seen = 0; /* rows any tile of the block sees */
@@ -289,13 +296,7 @@ int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int 
             for (int64_t j0 = 0; j0 < lengths[b] && key < seen; j0 += GROUP) {
                 int64_t left = lengths[b] - j0 < seen - key ? lengths[b] - j0 : seen - key;
                 const int n = (int)(left < GROUP ? left : GROUP);
-                const float *rows = (const float *)blocks[b] + j0 * stride;
-#ifdef HAVE_FLOAT16
-                if (half) {
-                    widen_rows((const uint16_t *)blocks[b] + j0 * stride, n * stride, wide);
-                    rows = wide;
-                }
-#endif
+                const float *rows = group_rows(blocks[b], j0, n, stride, half, wide);
                 for (int t = 0; t < nt; t++) {
                     const float *q = qT + (int64_t)(t0 + t) * d * HEADS;
                     float *s = scores + (int64_t)t * GROUP * HEADS;
