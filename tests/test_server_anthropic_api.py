@@ -17,7 +17,7 @@ import openai
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from scripted_engine import ONE_CALL, ScriptedEngine
+from scripted_engine import ONE_CALL, ScriptedEngine, prompt_text
 from server_harness import running_server
 
 from ling3_rknn.server import AppConfig, reasoning_seal
@@ -46,7 +46,7 @@ async def client_and_engine():
 
 
 def prompt_of(engine: ScriptedEngine, i: int) -> str:
-    return "".join(s.text for s in engine.requests[i].prompt)
+    return prompt_text(engine.requests[i])
 
 
 async def test_tool_loop_with_thinking_round_trip(client_and_engine):

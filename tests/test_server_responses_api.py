@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
-from scripted_engine import ONE_CALL, ScriptedEngine
+from scripted_engine import ONE_CALL, ScriptedEngine, prompt_text
 from server_harness import running_server
 
 from ling3_rknn.server import reasoning_seal
@@ -49,7 +49,7 @@ async def client_and_engine():
 
 
 def prompt_of(engine: ScriptedEngine, i: int) -> str:
-    return "".join(s.text for s in engine.requests[i].prompt)
+    return prompt_text(engine.requests[i])
 
 
 async def test_tool_call_then_answer_with_reasoning_round_trip(client_and_engine):
