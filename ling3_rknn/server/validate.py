@@ -155,10 +155,15 @@ def _message(value: Any, path: str) -> dict[str, Any]:
 # ---- tools ------------------------------------------------------------------------------
 
 
-def _tool_name(value: Any, path: str) -> str:
+def tool_name(value: Any, path: str) -> str:
+    """A tool name OpenAI's rule allows (every API's reader checks names with it)."""
+    return _checked_name(value, path, "tool names")
+
+
+def _checked_name(value: Any, path: str, what: str) -> str:
     name = string(value, path)
     if not TOOL_NAME.match(name):
-        fail(path, f"tool names must match {TOOL_NAME.pattern}, got {name!r}")
+        fail(path, f"{what} must match {TOOL_NAME.pattern}, got {name!r}")
     return name
 
 
@@ -166,7 +171,7 @@ def _tool(value: Any, path: str) -> dict[str, Any]:
     if isinstance(value, dict) and value.get("type", "function") != "function":
         fail(join(path, "type"), f"only 'function' tools are supported, got {value['type']!r}")
     function = {
-        "name": _tool_name,
+        "name": tool_name,
         "description": nullable(string),
         "parameters": nullable(any_object),
         "strict": nullable(boolean),
@@ -206,7 +211,7 @@ def _tool_choice(value: Any, path: str) -> str | dict[str, Any]:
         named = json_object(
             value, path,
             {"type": one_of("function"),
-             "function": lambda v, p: json_object(v, p, {"name": _tool_name}, ("name",))},
+             "function": lambda v, p: json_object(v, p, {"name": tool_name}, ("name",))},
             ("type", "function"),
         )
         return {"name": named["function"]["name"]}
@@ -225,7 +230,7 @@ def _function_name_of(value: Any, path: str) -> dict[str, Any]:
     function = any_object(value, path)
     if "name" not in function:
         fail(join(path, "name"), "this field is required")
-    return {"name": _tool_name(function["name"], join(path, "name"))}
+    return {"name": tool_name(function["name"], join(path, "name"))}
 
 
 def _resolved_tool_choice(
@@ -296,7 +301,7 @@ def _response_format(value: Any, path: str) -> dict[str, Any] | None:
         fail(join(path, "json_schema"), "this field is required with type 'json_schema'")
     spec = json_object(
         fields["json_schema"], join(path, "json_schema"),
-        {"name": _schema_name, "description": nullable(string), "schema": nullable(any_object),
+        {"name": schema_name, "description": nullable(string), "schema": nullable(any_object),
          "strict": nullable(boolean)},
         ("name",),
     )
@@ -305,11 +310,9 @@ def _response_format(value: Any, path: str) -> dict[str, Any] | None:
     return spec.get("schema") or {}
 
 
-def _schema_name(value: Any, path: str) -> str:
-    name = string(value, path)
-    if not TOOL_NAME.match(name):
-        fail(path, f"names must match {TOOL_NAME.pattern}, got {name!r}")
-    return name
+def schema_name(value: Any, path: str) -> str:
+    """A response format's schema name (the same rule as tool names)."""
+    return _checked_name(value, path, "names")
 
 
 _TOP_LEVEL: dict[str, Check] = {
@@ -364,7 +367,7 @@ def _thinking(fields: dict[str, Any]) -> bool:
     return fields.get("reasoning_effort") != "none"
 
 
-def _duplicate_tool_names(tools: list[dict[str, Any]]) -> None:
+def _duplicatetool_names(tools: list[dict[str, Any]]) -> None:
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         name = tool["function"]["name"]
@@ -402,7 +405,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         _tool_results_answer_calls(fields["messages"])
         tools = fields.get("tools") or None
         if tools:
-            _duplicate_tool_names(tools)
+            _duplicatetool_names(tools)
         tool_choice, forced_tool, allowed_tools = _resolved_tool_choice(
             fields.get("tool_choice") or "auto", tools)
     except Invalid as exc:

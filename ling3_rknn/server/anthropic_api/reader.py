@@ -35,7 +35,7 @@ from ling3_rknn.server.json_checks import (
     type_name,
     type_tag,
 )
-from ling3_rknn.server.validate import MAX_STOP_STRINGS, TOOL_NAME, ChatRequest
+from ling3_rknn.server.validate import MAX_STOP_STRINGS, ChatRequest, tool_name
 
 log = logging.getLogger("ling3_rknn.server")
 _ANY = lambda v, p: v  # noqa: E731  (accepted as sent, changes nothing here)
@@ -90,19 +90,12 @@ def _result_content(value: Any, path: str) -> str:
     return _texts(value, path)
 
 
-def _tool_name(value: Any, path: str) -> str:
-    name = string(value, path)
-    if not TOOL_NAME.match(name):
-        fail(path, f"tool names must match {TOOL_NAME.pattern}, got {name!r}")
-    return name
-
-
 _BLOCKS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "text": ({"type": string, "text": string, "cache_control": _ANY, "citations": _ANY},
              ("text",)),
     "thinking": ({"type": string, "thinking": string, "signature": string}, ("thinking",)),
     "redacted_thinking": ({"type": string, "data": string}, ("data",)),
-    "tool_use": ({"type": string, "id": string, "name": _tool_name, "input": any_object,
+    "tool_use": ({"type": string, "id": string, "name": tool_name, "input": any_object,
                   "cache_control": _ANY, "caller": _ANY}, ("id", "name", "input")),
     "tool_result": ({"type": string, "tool_use_id": string,
                      "content": nullable(_result_content), "is_error": nullable(boolean),
@@ -221,7 +214,7 @@ def _tools(value: Any, path: str) -> list[dict[str, Any]]:
             skipped.append(kind)
             continue
         fields = json_object(tool, where, {
-            "type": nullable(one_of("custom")), "name": _tool_name,
+            "type": nullable(one_of("custom")), "name": tool_name,
             "description": nullable(string), "input_schema": any_object,
             "cache_control": _ANY, "defer_loading": nullable(boolean),
             "strict": nullable(boolean), "eager_input_streaming": nullable(boolean),
@@ -242,7 +235,7 @@ def _tool_choice(value: Any, path: str, names: set[str]
                  ) -> tuple[str, str | None, bool]:
     """(mode, forced tool, parallel calls allowed)."""
     fields = json_object(value, path, {
-        "type": one_of("auto", "any", "tool", "none"), "name": _tool_name,
+        "type": one_of("auto", "any", "tool", "none"), "name": tool_name,
         "disable_parallel_tool_use": nullable(boolean),
     }, ("type",))
     parallel = not fields.get("disable_parallel_tool_use")

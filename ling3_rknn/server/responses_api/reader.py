@@ -31,7 +31,7 @@ from ling3_rknn.server.json_checks import (
 )
 from ling3_rknn.server.responses_api.items import read_input
 from ling3_rknn.server.responses_api.tools import ToolSet, read_tool_choice, read_tools
-from ling3_rknn.server.validate import REASONING_EFFORTS, TOOL_NAME, ChatRequest
+from ling3_rknn.server.validate import REASONING_EFFORTS, ChatRequest, schema_name
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 # `include` values: ours, plus those that only concern hosted tools this server skips.
@@ -52,18 +52,11 @@ class ResponsesNotes:
     encrypted_reasoning: bool
 
 
-def _schema_name(value: Any, path: str) -> str:
-    name = string(value, path)
-    if not TOOL_NAME.match(name):
-        fail(path, f"names must match {TOOL_NAME.pattern}, got {name!r}")
-    return name
-
-
 def _format(value: Any, path: str) -> dict[str, Any]:
     kind = type_tag(value, path)
     if kind == "json_schema":
         return json_object(value, path, {
-            "type": string, "name": _schema_name, "schema": any_object,
+            "type": string, "name": schema_name, "schema": any_object,
             "description": nullable(string), "strict": nullable(boolean),
         }, ("type", "name", "schema"))
     return json_object(value, path, {"type": one_of("text", "json_object", "json_schema")},

@@ -28,7 +28,7 @@ from ling3_rknn.server.json_checks import (
     type_name,
     type_tag,
 )
-from ling3_rknn.server.validate import TOOL_NAME
+from ling3_rknn.server.validate import tool_name
 
 log = logging.getLogger("ling3_rknn.server")
 
@@ -58,16 +58,9 @@ def join_namespace(namespace: str, name: str) -> str:
     return namespace.rstrip("_") + NAMESPACE_SEPARATOR + name.lstrip("_")
 
 
-def _name(value: Any, path: str) -> str:
-    name = string(value, path)
-    if not TOOL_NAME.match(name):
-        fail(path, f"tool names must match {TOOL_NAME.pattern}, got {name!r}")
-    return name
-
-
 _FUNCTION_FIELDS = {
     "type": one_of("function"),
-    "name": _name,
+    "name": tool_name,
     "description": nullable(string),
     "parameters": nullable(any_object),
     "strict": nullable(boolean),
@@ -148,7 +141,7 @@ def read_tool_choice(value: Any, tools: ToolSet, path: str = "tool_choice"
         fail(path, "expected 'auto', 'none', 'required', a function or allowed_tools, "
                    f"got {value!r}")
     if value.get("type") == "function":
-        named = json_object(value, path, {"type": string, "name": _name}, ("type", "name"))
+        named = json_object(value, path, {"type": string, "name": tool_name}, ("type", "name"))
         if named["name"] not in names:
             fail(join(path, "name"), f"{named['name']!r} is not one of the declared tools")
         return "required", named["name"], None
@@ -157,7 +150,7 @@ def read_tool_choice(value: Any, tools: ToolSet, path: str = "tool_choice"
             "type": string,
             "mode": one_of("auto", "required"),
             "tools": array(lambda v, p: json_object(
-                v, p, {"type": one_of("function"), "name": _name}, ("type", "name")),
+                v, p, {"type": one_of("function"), "name": tool_name}, ("type", "name")),
                 min_items=1),
         }, ("type", "mode", "tools"))
         allowed = []
