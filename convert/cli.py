@@ -22,7 +22,8 @@ from ling3_rknn.tokenizer import TokenizerError
 def run_convert(args: argparse.Namespace) -> int:
     opts = ConvertOptions(
         target=args.target, quant=args.quant, experts=args.experts,
-        calibration=args.calibration, npu_budget=args.npu_budget, chunk=args.chunk,
+        calibration=args.calibration, npu_budget=args.npu_budget, chunk=args.chunk[0],
+        more_chunks=args.chunk[1:],
         tokenizer=args.tokenizer, chat_template=args.chat_template,
         block_size=args.block_size, build_rknn=not args.no_rknn_build,
         w8a8_algorithm=args.w8a8_algorithm, w8a8_hybrid_cos=args.w8a8_hybrid_cos,

@@ -38,7 +38,8 @@ class ConvertOptions:
     calibration: Path | None = None
     # bytes for NPU experts; None: what the window leaves for fp16 experts, 0 for QMoE ones
     npu_budget: int | None = None
-    chunk: int = 64
+    chunk: int = 64  # the smallest prefill shape; calibration cuts its samples to it
+    more_chunks: tuple[int, ...] = ()  # bigger prefill shapes of every stage graph
     tokenizer: Path | None = None
     chat_template: Path | None = None
     block_size: int = 32
@@ -53,6 +54,11 @@ class ConvertOptions:
     resume: bool = False
     progress: bool = True
     max_calls_per_token: float = 60.0
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """Every prefill shape, smallest first (the manifest's ``chunk_sizes``)."""
+        return tuple(sorted({self.chunk, *self.more_chunks}))
 
 
 def check_options(o: ConvertOptions) -> None:
@@ -73,5 +79,8 @@ def check_options(o: ConvertOptions) -> None:
                            f"got {o.w8a8_hybrid_cos}")
     if o.chunk < 2:
         raise ConvertError(f"--chunk must be at least 2, got {o.chunk}")
+    if any(c <= o.chunk for c in o.more_chunks):
+        raise ConvertError(f"more chunk sizes {list(o.more_chunks)} must each be bigger than "
+                           f"--chunk {o.chunk}")
     if o.npu_budget is not None and o.npu_budget < 0:
         raise ConvertError("--npu-budget must not be negative")

@@ -83,7 +83,7 @@ class StageWriter:
         data = src.with_name(src.name + ".data")
         data.unlink(missing_ok=True)
         graph = build(data)
-        chunk_sets = graph.shape_sets((o.chunk,))
+        chunk_sets = graph.shape_sets(o.chunk_sizes)
         per_weight = {"fp32": 4, "fp16": 2, "w8a8": 1, "int8": 1.125, "int4": 0.625}[
             self.quant]
         quantization: dict[str, str | float | None] | None = None

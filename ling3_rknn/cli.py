@@ -38,6 +38,14 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def _chunk_sizes(text: str) -> tuple[int, ...]:
+    """``64`` or ``64,256``: distinct sizes, smallest first."""
+    try:
+        return tuple(sorted({_positive_int(part.strip()) for part in text.split(",")}))
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"chunk sizes {text!r}: {exc}") from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -179,7 +187,10 @@ def _add_convert(commands: Any) -> None:
                       help="bytes for routed experts on the NPU (default: what the ~4 GB "
                            "window leaves after the dense stages for fp16 experts; 0 for "
                            "int4/int8, whose QMoE kernel runs k experts per token anyway)")
-    conv.add_argument("--chunk", type=_positive_int, default=64, help="prefill chunk size")
+    conv.add_argument("--chunk", type=_chunk_sizes, default=(64,), metavar="N[,N...]",
+                      help="prefill chunk size(s): each is one more input shape of every "
+                           "stage graph; the engine prefills in pieces of the largest (at "
+                           "least 64) and cuts each into the cheapest cover (default 64)")
     conv.add_argument("--tokenizer", type=Path, metavar="FILE",
                       help="tokenizer.json (default HF_DIR/tokenizer.json)")
     conv.add_argument("--chat-template", type=Path, metavar="FILE")

@@ -45,6 +45,8 @@ def make_engine(
     if weights_identity is not None:
         options["weights_identity"] = weights_identity
     options.setdefault("model_id", default_model_id)
+    # a bundle converted with bigger prefill graphs is fed in pieces of the biggest
+    options.setdefault("prefill_chunk", model.prefill_chunk)
     limit = model.config.max_position_embeddings
     if "max_context" not in options:
         options["max_context"] = min(limit, DEFAULT_MAX_CONTEXT)

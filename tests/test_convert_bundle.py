@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from convert.converter import ConvertOptions, convert
 from ling3_rknn.bundle import BundleError
 from ling3_rknn.model import Model
-from ling3_rknn.model.bundle_stages import GraphStages
+from ling3_rknn.model.bundle_stages import GraphStages, plan_pieces
 from ling3_rknn.npu import MockRKNNLite, OnnxExecutor, RknnLiteExecutor
 
 TOKENIZER = FIXTURES / "tokenizer" / "compact" / "tokenizer.json"
@@ -72,10 +72,11 @@ def make_bundle(tmp: Path, fixture: str, name: str, **kw) -> Path:
 
 @pytest.fixture(scope="module", params=ORACLE_FIXTURES)
 def fp_bundle(request, tmp_path_factory) -> tuple[str, Path]:
-    """rk3588 bundle, fp16 stages (the fp32 twin on the mock), fp16 experts on the CPU."""
+    """rk3588 bundle, fp16 stages (the fp32 twin on the mock), fp16 experts on the CPU,
+    prefill graphs at two sizes (16 and 48 tokens): every forward below mixes them."""
     tmp = tmp_path_factory.mktemp(request.param)
     return request.param, make_bundle(tmp, request.param, "b", quant="fp16", experts="fp16",
-                                      npu_budget=0)
+                                      npu_budget=0, more_chunks=(48,))
 
 
 def greedy(model: Model, prompt: np.ndarray, steps: int) -> tuple[list[int], np.ndarray]:
@@ -115,9 +116,18 @@ def test_bundle_on_rknnlite_mock_matches_transformers(fp_bundle) -> None:
     assert set(model.cpu.mla_bases) == set(model.config.mla_layers)  # expanded prefill form
     ex = model.stages._ex["layer.0.in"]
     assert isinstance(ex, RknnLiteExecutor) and ex.runtime_name == "MockRKNNLite"
+    # every graph has the decode shape and both prefill shapes; the engine feeds the larger
+    assert model.bundle is not None and model.bundle.manifest.chunk_sizes == (16, 48)
+    assert [g[0][1] for g in ex.spec.shape_sets] == [1, 16, 48]
+    assert model.stages.chunk_sizes == (16, 48) and model.prefill_chunk == 64
+    shapes: list[int] = []
+    run = ex.run
+    ex.run = lambda *xs: shapes.append(xs[0].shape[1]) or run(*xs)  # type: ignore[method-assign]
 
     logits = model.forward(ref["input_ids"], model.new_state())
     assert float(np.abs(logits - ref["logits_full"]).max()) <= TOL
+    assert shapes == list(plan_pieces(len(ref["input_ids"]), (16, 48)))
+    ex.run = run  # type: ignore[method-assign]
 
     p = int(ref["prefill_len"])
     state = model.new_state()

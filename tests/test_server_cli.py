@@ -143,7 +143,8 @@ def test_max_context_beyond_the_model_is_refused():
 
     from ling3_rknn.loading import make_engine
 
-    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192),
+                            prefill_chunk=64)
     with pytest.raises(ValueError, match="max_position_embeddings 8192"):
         make_engine(model, None, {"max_context": 65536})
 

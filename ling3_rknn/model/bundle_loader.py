@@ -111,7 +111,7 @@ def load_bundle_parts(bundle: Bundle, executor: ExecutorChoice = "auto", threads
         if missing:
             raise BundleError(f"bundle lacks stage graphs {missing}")
         weights, cpu_weights = _cpu_weights(bundle, cfg)
-        stages = GraphStages(cfg, executors, weights, m.chunk_sizes[0])
+        stages = GraphStages(cfg, executors, weights, m.chunk_sizes)
         moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         cpu = {i: open_experts(bundle, i, threads=threads) for i in moe}
         npu = {layer: {e: executors[str(StageName.npu_expert(layer, e))] for e in ids}

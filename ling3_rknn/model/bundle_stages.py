@@ -2,11 +2,13 @@
 
 ``GraphStages`` implements ``StageBackend`` over one executor per stage graph (RKNNLite on
 the board or its ONNX-twin mock on the host, or plain onnxruntime). Graphs have static
-shapes (T = 1 and T = chunk), so a batch of T tokens is cut into chunks and the last
-piece zero-padded (every stage is row-wise, padded rows are dropped); a single token
-takes the decode shape. Each graph's inputs and outputs are checked against the stage
-contract (``stage_contract.py``) once, when the stages are built; afterwards outputs are
-read by position and finished by the contract's CPU half (safe gate, residual adds).
+shapes (T = 1 and one T per prefill chunk size the bundle was converted with), so a batch
+of T tokens is cut into pieces of those sizes (``plan_pieces``: fewest padded rows plus a
+per-call cost) and the last piece zero-padded (every stage is row-wise, padded rows are
+dropped); a single token takes the decode shape. Each graph's inputs and outputs are
+checked against the stage contract (``stage_contract.py``) once, when the stages are
+built; afterwards outputs are read by position and finished by the contract's CPU half
+(safe gate, residual adds).
 
 ``BundleExperts`` implements ``ExpertBackend``: the layer's CPU executor (QMoE int4/int8
 or float) for every selected expert, except those the placement plan put on the NPU,
@@ -15,7 +17,8 @@ which run as their own graphs on the tokens routed to them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from functools import cache
 
 import numpy as np
 
@@ -26,19 +29,45 @@ from . import stage_contract as contract
 from .safetensors_file import SafetensorsFile
 from .stage_contract import KdaInputs, LayerOutput, MlaInputs
 
+# What one more graph call costs, in padded rows: the NPU's per-call overhead (input
+# copies, job submission; ~0.3-0.5 ms against ~10 us a row for a layer stage on the board,
+# docs/performance.md) rounded down, so a nearly full bigger graph beats two small ones.
+CALL_COST_ROWS = 16
+
+
+@cache
+def plan_pieces(rows: int, sizes: tuple[int, ...], call_cost: int = CALL_COST_ROWS
+                ) -> tuple[int, ...]:
+    """The graph size of each consecutive piece covering ``rows`` rows: the cover with the
+    fewest computed rows (padding included) plus ``call_cost`` per call. ``sizes`` sorted."""
+    best: list[tuple[int, tuple[int, ...]]] = [(0, ())]
+    for n in range(1, rows + 1):
+        options = []
+        for s in sizes:
+            cost, plan = best[max(0, n - s)]
+            options.append((cost + s + call_cost, (*plan, s)))
+        best.append(min(options))
+    return best[rows][1]
+
 
 class GraphStages:
     """``StageBackend`` over per-stage graph executors (names as in the manifest)."""
 
     def __init__(self, config: ModelConfig, executors: Mapping[str, GraphExecutor],
-                 weights: SafetensorsFile, chunk: int) -> None:
+                 weights: SafetensorsFile, chunk_sizes: Sequence[int]) -> None:
         self._cfg = config
         for name, ex in executors.items():
             check_contract(config, name, ex)
         self._ex = dict(executors)
         self._w = weights
-        self._chunk = chunk
+        # T = 1 is the decode shape every graph has; the others are prefill shapes
+        self._sizes = tuple(sorted({int(c) for c in chunk_sizes if c > 1})) or (1,)
         self.calls = 0  # graph executions, for the NPU-calls-per-token figure
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """The prefill shapes the graphs were built for, smallest first."""
+        return self._sizes
 
     def replace_executors(self, executors: Mapping[str, GraphExecutor]) -> None:
         """Swap in other executors for named stages (same specs): host-side evaluation
@@ -59,10 +88,13 @@ class GraphStages:
         t = inputs[0].shape[0]
         if t == 1:
             return self._call(ex, inputs, 1)
-        pieces = []
-        for start in range(0, t, self._chunk):
-            part = [x[start:start + self._chunk] for x in inputs]
-            pieces.append(self._call(ex, part, self._chunk))
+        pieces, start = [], 0
+        for size in plan_pieces(t, self._sizes):
+            if start >= t:  # a cover never has an empty piece (tested); stay safe anyway
+                break
+            part = [x[start:start + size] for x in inputs]
+            pieces.append(self._call(ex, part, size))
+            start += size
         return [np.concatenate(parts)[:t] for parts in zip(*pieces, strict=True)]
 
     def _call(self, ex: GraphExecutor, inputs: list[np.ndarray] | tuple[np.ndarray, ...],

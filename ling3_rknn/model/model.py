@@ -40,6 +40,10 @@ TRIM_AFTER_BYTES = 64 << 20
 KDA_DECODE_SPLIT_ENV = "LING3_RKNN_KDA_DECODE_SPLIT"
 
 
+# Tokens per prefill forward when the stages take any length (numpy) or only small graphs.
+DEFAULT_PREFILL_CHUNK = 64
+
+
 class Model:
     """Ling-3.0 forward pass. ``forward`` on a whole sequence or on its pieces gives the same
     logits; the state carries everything between calls."""
@@ -54,6 +58,7 @@ class Model:
         threads: int = 1,
         bundle: Bundle | None = None,
         latent_dtype: str = "float32",
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         self.config = config
         self.bundle = bundle  # the bundle it was loaded from (``from_bundle``), else None
@@ -61,6 +66,8 @@ class Model:
         self.experts = experts
         self.cpu = cpu
         self.threads = threads
+        # tokens per prefill forward the engine should feed: a bundle's largest graph shape
+        self.prefill_chunk = prefill_chunk
         self._scale = float(config.qk_head_dim) ** -0.5
         self._layout = StateLayout.from_config(config, latent_dtype)
         self.latent_dtype = latent_dtype  # the MLA latent cache's dtype (state.LATENT_DTYPES)
@@ -123,7 +130,8 @@ class Model:
             bundle = Bundle.open(path, verify=verify)
         parts = load_bundle_parts(bundle, executor, policy.threads)
         return cls(parts.config, parts.stages, parts.experts, parts.cpu,
-                   threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype)
+                   threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype,
+                   prefill_chunk=max(parts.stages.chunk_sizes[-1], DEFAULT_PREFILL_CHUNK))
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, self.latent_dtype)
