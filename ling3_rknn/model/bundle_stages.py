@@ -29,9 +29,10 @@ from . import stage_contract as contract
 from .safetensors_file import SafetensorsFile
 from .stage_contract import KdaInputs, LayerOutput, MlaInputs
 
-# What one more graph call costs, in padded rows: the NPU's per-call overhead (input
-# copies, job submission; ~0.3-0.5 ms against ~10 us a row for a layer stage on the board,
-# docs/performance.md) rounded down, so a nearly full bigger graph beats two small ones.
+# What one more graph call costs, in rows of a stage's work. Unmeasured on a board until
+# `doctor`'s `empty_graph.median_us` is taken there (docs/performance.md, prefill budget):
+# a few hundred microseconds a call against tens of microseconds a row, so 16 rows is a
+# floor that keeps a nearly full bigger graph ahead of several small ones.
 CALL_COST_ROWS = 16
 
 
