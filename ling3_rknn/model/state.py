@@ -114,9 +114,9 @@ class LatentCache:
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) as one array (a copy)."""
         first, last = start // BLOCK_TOKENS, -(-stop // BLOCK_TOKENS)
-        joined = np.concatenate(self.blocks()[first:last]) if stop > start else \
+        span = np.concatenate(self.blocks()[first:last]) if stop > start else \
             np.empty((0, self.width), self.dtype)
-        return joined[start - first * BLOCK_TOKENS: stop - first * BLOCK_TOKENS]
+        return span[start - first * BLOCK_TOKENS: stop - first * BLOCK_TOKENS]
 
     def snapshot(self) -> RowBlocks:
         """The frozen blocks as they are (shared) and a copy of the filled tail rows."""
