@@ -32,6 +32,9 @@ class FakeSnapshot:
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {"tokens": np.asarray(self.tokens, np.int64)}
 
+    def blocked_arrays(self) -> dict[str, np.ndarray]:
+        return self.to_arrays()  # nothing per-token to hand over in blocks
+
     @staticmethod
     def from_arrays(arrays) -> FakeSnapshot:
         return FakeSnapshot(tuple(int(t) for t in arrays["tokens"]))

@@ -107,7 +107,7 @@ def test_prefix_cache_files_of_each_dtype_are_kept_apart(models, tmp_path):
     stores = [Engine._build_cache(m, 2**20, tmp_path, None, "weights:x", None)
               for m in (full, half)]
     assert stores[0] is not None and stores[1] is not None
-    assert stores[0]._store.fingerprint != stores[1]._store.fingerprint
+    assert stores[0]._disk.store.fingerprint != stores[1]._disk.store.fingerprint
 
 
 @pytest.mark.skipif(not native.available(), reason="the compiled kernels are not built here")

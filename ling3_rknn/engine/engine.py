@@ -143,7 +143,7 @@ class Engine:
         return PrefixCache(
             cache_bytes,
             store=store,
-            to_arrays=lambda snap: snap.to_arrays(),
+            to_arrays=lambda snap: snap.blocked_arrays(),  # frozen latent blocks as they are
             from_arrays=snapshot_from_arrays,
             max_disk_bytes=cache_disk_bytes,
         )

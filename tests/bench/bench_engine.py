@@ -38,6 +38,7 @@ from ling3_rknn.config import ModelConfig  # noqa: E402
 from ling3_rknn.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from ling3_rknn.engine.snapshot_store import SnapshotStore  # noqa: E402
 from ling3_rknn.model import Model, SequenceState, StateSnapshot  # noqa: E402
+from ling3_rknn.model.snapshot_arrays import RowBlocks  # noqa: E402
 from ling3_rknn.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB = 157_184
@@ -128,11 +129,12 @@ def filled_state(config: ModelConfig, tokens: int) -> SequenceState:
     rng = np.random.default_rng(0)
     state = SequenceState(config)
     arrays = {}
-    for name, value in state.snapshot().to_arrays().items():
+    for name, value in state.snapshot().blocked_arrays().items():
         if name == "length":
             arrays[name] = np.array(tokens, dtype=np.int64)
-        elif name.endswith(".latent"):
-            arrays[name] = rng.standard_normal((tokens, value.shape[1])).astype(np.float32)
+        elif isinstance(value, RowBlocks):  # per-token: the latent caches
+            width = value.partial.shape[1]
+            arrays[name] = rng.standard_normal((tokens, width)).astype(np.float32)
         else:
             arrays[name] = rng.standard_normal(value.shape).astype(value.dtype)
     state.restore(StateSnapshot.from_arrays(config, arrays))
@@ -171,18 +173,17 @@ def persistence_figures(config: ModelConfig, tokens: int = 12_288) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = SnapshotStore(tmp, "bench")
         t0 = time.perf_counter()
-        arrays = snap.to_arrays()
+        arrays = snap.blocked_arrays()
         t_export = time.perf_counter() - t0
         t0 = time.perf_counter()
         store.write(path_tokens, logits, arrays)
         t_write = time.perf_counter() - t0
         first_bytes = _dir_bytes(Path(tmp))
-        # The next turn's snapshot: same prefix plus 37 tokens (shares the latent blocks).
-        longer = dict(arrays)
-        longer["length"] = np.array(tokens + 37, dtype=np.int64)
-        for name, value in arrays.items():
-            if name.endswith(".latent"):
-                longer[name] = np.concatenate([value, np.ones((37, value.shape[1]), value.dtype)])
+        # The next turn's snapshot: the same state 37 tokens on (the same frozen blocks).
+        for cache in state.latents.values():
+            cache.append(np.ones((37, cache.width), cache.dtype))
+        state.length += 37
+        longer = state.snapshot().blocked_arrays()
         t0 = time.perf_counter()
         store.write((*path_tokens, *range(37)), logits, longer)
         t_write2 = time.perf_counter() - t0
@@ -193,12 +194,12 @@ def persistence_figures(config: ModelConfig, tokens: int = 12_288) -> None:
         reloads = []
         for _ in range(3):
             t0 = time.perf_counter()
-            loaded = store.load(index)
+            loaded = SnapshotStore(tmp, "bench").load(index)  # a new process: reads disk
             restored = StateSnapshot.from_arrays(config, loaded.state)
             state.restore(restored)
             reloads.append(time.perf_counter() - t0)
     reload_s = statistics.median(reloads)
-    print(f"persisted {tokens}-token prefix: {first_bytes / 2**20:.0f} MiB on disk; to_arrays "
+    print(f"persisted {tokens}-token prefix: {first_bytes / 2**20:.0f} MiB on disk; export "
           f"{t_export * 1e3:.0f} ms, atomic write+fsync {t_write * 1e3:.0f} ms; start-up "
           f"index of both files {t_scan * 1e3:.1f} ms")
     print(f"  next turn (+37 tokens, latent blocks shared): {second_bytes / 2**20:.1f} MiB "
