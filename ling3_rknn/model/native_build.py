@@ -173,10 +173,17 @@ def build(directory: Path | None = None, cc: str | None = None,
         raise BuildError("no C compiler (cc or $CC) on PATH")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        os.chmod(directory, os.stat(directory).st_mode | 0o755)
-    except OSError as exc:
+        if directory.stat().st_uid == os.getuid():  # made under a strict umask: open it
+            os.chmod(directory, directory.stat().st_mode | 0o755)
+        return _build_into(directory, cc, source_dir)
+    except PermissionError as exc:
         raise BuildError(f"cannot write {directory}: {exc} (run as the user that installed "
                          f"the venv, or set ${KERNEL_DIR_ENV})") from exc
+    except OSError as exc:
+        raise BuildError(f"cannot build into {directory}: {exc}") from exc
+
+
+def _build_into(directory: Path, cc: str, source_dir: Path) -> Manifest:
     flags = [*_COMMON_FLAGS, *machine_flags()]
     with tempfile.TemporaryDirectory(prefix="ling3-native-", dir=directory) as work:
         built = Path(work) / LIBRARY
