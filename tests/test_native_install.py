@@ -139,7 +139,8 @@ def test_loads_the_installed_library_and_logs_which_glue_runs(installed, monkeyp
 def test_not_built_stays_on_numpy_without_compiling(fresh_loader, monkeypatch, caplog):
     _no_compiler_at_load(monkeypatch)
     assert not native.available()
-    assert native.status() == f"not built: no {native_build.LIBRARY} in {fresh_loader}"
+    assert native.status() == (f"not built: no {native_build.LIBRARY} in {fresh_loader}: "
+                               "decode glue on numpy")
     assert "decode glue on numpy" in caplog.text and "build-kernels" in caplog.text
     assert not fresh_loader.exists()
 

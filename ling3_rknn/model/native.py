@@ -80,9 +80,8 @@ def _load() -> Any:
         return None
     opened = _open(library_path())
     if isinstance(opened, str):
-        _status = opened
-        log.warning("compiled decode kernels unavailable: %s; decode glue on numpy (%s)",
-                    _status, _FIX)
+        _status = f"{opened}: decode glue on numpy"
+        log.warning("compiled decode kernels unavailable: %s (%s)", _status, _FIX)
         return None
     _library, _status = opened
     log.info("decode glue: %s", _status)
