@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(commands)
     _add_doctor(commands)
     _add_warm(commands)
+    _add_build_kernels(commands)
     return parser
 
 
@@ -236,6 +237,32 @@ def _add_warm(commands: Any) -> None:
     warm.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                       help=f"the server's key (default: ${API_KEY_ENV})")
     warm.add_argument("--model", help="send this model id instead of the recorded one")
+
+
+def _add_build_kernels(commands: Any) -> None:
+    """``build-kernels``: compile the decode kernels for this machine (the install step;
+    ``ling3_rknn.model.native_build``)."""
+    build = commands.add_parser(
+        "build-kernels", help="compile the decode kernels for this machine (install step)")
+    build.add_argument("--dir", type=Path, metavar="DIR",
+                       help="where to put them (default: $LING3_RKNN_KERNEL_DIR, else "
+                            "<venv>/lib/ling3-rknn); the service must find them there")
+
+
+def build_kernels(directory: Path | None) -> int:
+    from ling3_rknn.model import native_build
+
+    target = directory or native_build.kernel_directory()
+    try:
+        manifest = native_build.build(target)
+    except native_build.BuildError as exc:
+        print(f"ling3-rknn: decode kernels not built: {exc}\n"
+              "  without them the decode glue runs on numpy (correct, slower); "
+              "a C compiler: sudo apt install gcc", file=sys.stderr)
+        return 1
+    print(f"built {target / native_build.LIBRARY}: {manifest.isa}; "
+          f"{manifest.compiler} {' '.join(manifest.flags)}")
+    return 0
 
 
 def _add_doctor(commands: Any) -> None:
@@ -393,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ling3_rknn.warm import run_warm
 
         return run_warm(args.url, args.files, args.api_key, args.model)
+    if args.command == "build-kernels":
+        return build_kernels(args.dir)
     if args.command == "convert":
         from convert.cli import run_convert
 

@@ -76,7 +76,7 @@ class Model:
         self.prefill_scratch_bytes = PREFILL_SCRATCH_BYTES
         # share a decode token's KDA heads over the glue threads (off: measured slower here)
         self.kda_decode_split = os.environ.get(KDA_DECODE_SPLIT_ENV, "0") == "1"
-        native.available()  # load (or build, once per machine) the decode kernels now
+        native.available()  # load the installed decode kernels now; logs which glue runs
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike[str], *, threads: int | None = None,
