@@ -76,7 +76,7 @@ def arrays_checksum(arrays: Mapping[str, np.ndarray]) -> str:
         a = np.asarray(arrays[name], order="C")
         h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
         if a.size:  # memoryview cannot cast an empty array
-            h.update(memoryview(a).cast("B"))
+            h.update(a.data.cast("B"))
     return h.hexdigest()
 
 
@@ -89,7 +89,7 @@ def _note_checksum(note: str, tokens: tuple[int, ...]) -> str:
 
 def _block_hash(a: np.ndarray) -> str:
     h = hashlib.sha256(f"{a.dtype.str}|{a.shape}|".encode())
-    h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    h.update(np.ascontiguousarray(a).data.cast("B"))
     return h.hexdigest()
 
 
@@ -215,7 +215,7 @@ class SnapshotStore:
         # snapshot, while syncing hundreds of blocks per write would cost seconds.
         try:
             with open(tmp, "wb") as f:
-                f.write(memoryview(np.ascontiguousarray(rows)).cast("B"))
+                f.write(np.ascontiguousarray(rows).data.cast("B"))
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -240,8 +240,10 @@ class Model:
 
     def _moe(self, i: int, out: LayerOutput) -> np.ndarray:
         c = self.config
+        moe_input, router_logits = out.moe_input, out.router_logits
+        assert moe_input is not None and router_logits is not None  # what makes it MoE
         ids, weights = route(
-            out.router_logits,
+            router_logits,
             self.cpu.expert_bias[i],
             n_group=c.n_group,
             topk_group=c.topk_group,
@@ -249,7 +251,7 @@ class Model:
             normalize=c.norm_topk_prob,
             scaling=c.routed_scaling_factor,
         )
-        return out.hidden + out.shared + self.experts(i, out.moe_input, ids, weights)
+        return out.hidden + out.shared + self.experts(i, moe_input, ids, weights)
 
     def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(token_ids)
