@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ling3_rknn.engine.protocols import ModelConfigLike
-from ling3_rknn.model import Model, SequenceState, StateSnapshot
+
+if TYPE_CHECKING:  # only annotations: the scripted doubles never load the model package
+    from ling3_rknn.model import Model, SequenceState, StateSnapshot
 
 
 @dataclass(frozen=True)
