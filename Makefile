@@ -30,11 +30,12 @@ serve: venv
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test: lint rknn-env agent-clients system-tools
 	$(VENV)/bin/pytest $(ARGS)
 
-# The fast loop: ruff, the import contracts and every test that needs neither the
+# The fast loop: ruff, the import contracts, mypy and every test that needs neither the
 # rknn-toolkit2 env, the npm clients, a Debian package nor the network (pyproject.toml's
 # markers); nothing is installed or fetched besides .venv.
 # ARGS=-n0 runs them in one process.

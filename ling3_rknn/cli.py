@@ -17,9 +17,13 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ling3_rknn.bundle import EXPERT_FORMATS, STAGE_QUANTS, TARGETS
+from ling3_rknn.loading import LoadOptions
+
+if TYPE_CHECKING:
+    from ling3_rknn.engine import EngineProtocol
 
 API_KEY_ENV = "LING3_RKNN_API_KEY"
 PLACEHOLDER_API_KEY = "change-me"  # what systemd/ling3-rknn.env ships with
@@ -289,26 +293,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, object]:
-    options: dict[str, object] = {}
-    if args.model_id is not None:
-        options["model_id"] = args.model_id
-    if args.max_context is not None:
-        options["max_context"] = args.max_context
-    if args.cache_bytes is not None:
-        options["cache_bytes"] = args.cache_bytes
-    if args.cache_dir is not None:
-        options["cache_dir"] = args.cache_dir
-    if args.max_queue is not None:
-        options["max_queue"] = args.max_queue
-    if args.prefill_scratch is not None:
-        options["prefill_scratch_bytes"] = args.prefill_scratch
-    if args.default_max_tokens is not None:  # 0: no cap but the context
-        options["default_max_tokens"] = args.default_max_tokens or None
-    return options
+def _engine_options(args: argparse.Namespace) -> LoadOptions:
+    """The serve flags that were given; the rest stay None (the model's or the engine's)."""
+    return LoadOptions(
+        model_id=args.model_id,
+        max_context=args.max_context,
+        cache_bytes=args.cache_bytes,
+        cache_dir=args.cache_dir,
+        max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,  # 0: no cap but the context
+        prefill_scratch_bytes=args.prefill_scratch,
+    )
 
 
-def make_loader(args: argparse.Namespace) -> Callable[[], object]:
+def make_loader(args: argparse.Namespace) -> Callable[[], EngineProtocol]:
     """The function the server runs in a thread to build the engine."""
     from ling3_rknn import loading
 
@@ -323,13 +321,13 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
         return lambda: loading.engine_from_bundle(bundle_dir, options, verify=args.verify,
                                                   latent_dtype=args.latent_cache)
 
-    def load_demo() -> object:
+    def load_demo() -> EngineProtocol:
         from ling3_rknn.demo import load_demo_engine
 
         print("ling3-rknn: serving the embedded demo model (a 7.1M-parameter Ling-3.0 trained "
               "as a tiny weather/time agent); --bundle DIR serves a converted Ling-3.0-tiny.",
               file=sys.stderr, flush=True)
-        return load_demo_engine(latent_dtype=args.latent_cache, **options)
+        return load_demo_engine(options, latent_dtype=args.latent_cache)
 
     return load_demo
 

@@ -24,18 +24,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from engine_doubles import ScriptedModel  # noqa: E402
 from engine_tiny_model import make_tiny_checkpoint  # noqa: E402
 
 from ling3_rknn.chat.segments import Segment  # noqa: E402
 from ling3_rknn.config import ModelConfig  # noqa: E402
-from ling3_rknn.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from ling3_rknn.engine import Engine, EngineOptions, GenerationRequest, SamplingParams  # noqa: E402
 from ling3_rknn.engine.snapshot_store import SnapshotStore  # noqa: E402
 from ling3_rknn.model import Model, SequenceState, StateSnapshot  # noqa: E402
 from ling3_rknn.model.snapshot_arrays import RowBlocks  # noqa: E402
@@ -80,15 +80,12 @@ def real_config() -> ModelConfig:
     return ModelConfig.from_dict(d)
 
 
-class ZeroCostModel:
+class ZeroCostModel(ScriptedModel):
     """Forward returns the same preallocated row: the engine's own cost is all that's left."""
 
     def __init__(self, row: np.ndarray) -> None:
-        self.config = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=(156895,))
+        super().__init__(VOCAB, lambda history: 0, eos_token_ids=(156895,))
         self._row = row[None, :]
-
-    def new_state(self):
-        return SimpleNamespace(length=0, snapshot=lambda: None, restore=lambda s: None)
 
     def forward(self, token_ids, state, *, last_only: bool = False):
         return self._row
@@ -107,8 +104,8 @@ async def decode_overhead(sampling: SamplingParams, tokens: int) -> float:
             pass
     decodable[list(tok.special_ids.values())] = False
     row[~decodable] = -1e4
-    engine = Engine(ZeroCostModel(row), tok, model_id="bench", max_context=tokens + 64,
-                    cache_bytes=0)
+    engine = Engine(ZeroCostModel(row), tok,
+                    EngineOptions(model_id="bench", max_context=tokens + 64, cache_bytes=0))
     prompt = [Segment("<role>HUMAN</role>", True), Segment("hello", False),
               Segment("<|role_end|><role>ASSISTANT</role>", True)]
     request = GenerationRequest(prompt, sampling, max_tokens=tokens, stop=["</stop>"])
@@ -239,7 +236,7 @@ async def agent_turns() -> str:
                               / "tokenizer.json")
     with tempfile.TemporaryDirectory() as tmp:
         model = Model.from_hf(make_tiny_checkpoint(Path(tmp)))
-        with Engine(model, tok, model_id="tiny", max_context=4096) as engine:
+        with Engine(model, tok, EngineOptions(model_id="tiny", max_context=4096)) as engine:
             request = GenerationRequest(render(history, tools, enable_thinking=False),
                                         SamplingParams(temperature=0.0), max_tokens=24)
             text = ""
