@@ -13,20 +13,29 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The decode kernels compiled for this machine into the venv (`ling3-rknn build-kernels`,
+# docs/performance.md): the install's job, never the server's. Rebuilt when a C source
+# changes; without a C compiler the glue runs on numpy and this says so.
+KERNELS := $(VENV)/lib/ling3-rknn
+$(KERNELS)/ling3-native.json: $(STAMP) $(wildcard ling3_rknn/model/*.c ling3_rknn/model/*.h)
+	$(VENV)/bin/ling3-rknn build-kernels --dir $(KERNELS) || \
+		echo "decode kernels not built: the decode glue runs on numpy (correct, slower)"
+
+venv: $(STAMP) $(KERNELS)/ling3-native.json
 
 # With no model flag `serve` runs the embedded demo bundle (ling3_rknn/demo/bundle).
-serve: $(STAMP)
+serve: venv
 	$(VENV)/bin/ling3-rknn serve $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test: lint rknn-env agent-clients system-tools
 	$(VENV)/bin/pytest $(ARGS)
 
-# The fast loop: ruff, the import contracts and every test that needs neither the
+# The fast loop: ruff, the import contracts, mypy and every test that needs neither the
 # rknn-toolkit2 env, the npm clients, a Debian package nor the network (pyproject.toml's
 # markers); nothing is installed or fetched besides .venv.
 # ARGS=-n0 runs them in one process.
@@ -39,7 +48,7 @@ check: lint
 # in ~/.cache/ling3-rknn/aarch64-rootfs. Needs root (chroot, binfmt_misc). AARCH64_PARTS:
 # all, or a comma list of kernels,serve,board,unit (tests/aarch64/board.sh).
 AARCH64_PARTS ?= all
-test-aarch64: $(STAMP)
+test-aarch64: venv
 	$$( [ "$$(id -u)" = 0 ] || echo sudo ) env VENV=$(abspath $(VENV)) \
 		BOARD_TIER=$(AARCH64_PARTS) tests/aarch64/run.sh
 
@@ -111,7 +120,7 @@ demo-eval: $(STAMP)
 # Debian packages that tests run, installed where missing (needs root or sudo; without apt
 # the tests that need them are skipped with a reason): systemd-analyze (package systemd)
 # for tests/test_systemd_unit.py, haproxy for tests/test_deploy_haproxy.py, a C compiler for
-# the decode kernels the runtime builds (tests/test_native_kernels.py).
+# the decode kernels (built by `make venv` and, into their own directory, by the tests).
 # Debian puts haproxy in /usr/sbin, which a non-root PATH may lack.
 system-tools:
 	@missing=""; \

@@ -11,6 +11,7 @@ the bf16 checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -163,8 +164,7 @@ def convert(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         total = len(names) + len(moe_layers) + 1
         with _progress(total, "convert", opts.progress) as bar:
             for name in names:
-                stages[name] = sw.write(
-                    name, lambda ext, name=name: build_stage(w, name, wdtype, ext))
+                stages[name] = sw.write(name, functools.partial(build_stage, w, name, wdtype))
                 report.stage_bytes[name] = stages[name].nbytes
                 if on_stage is not None:
                     on_stage(name)
@@ -177,9 +177,8 @@ def convert(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                     for e in ids:
                         gate_up, down = w.expert(layer, e)
                         name = str(StageName.npu_expert(layer, e))
-                        stages[name] = sw.write(
-                            name, lambda ext, name=name, gu=gate_up, dn=down:
-                            expert_graph(name, gu, dn, cfg, wdtype, ext))
+                        stages[name] = sw.write(name, functools.partial(
+                            expert_graph, name, gate_up, down, cfg, wdtype))
                         report.stage_bytes[name] = stages[name].nbytes
             experts_layers = {}
             for layer in moe_layers:

@@ -29,6 +29,7 @@ these graphs are for onnxruntime only, which is what ``--target cpu`` runs.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 import onnx
@@ -114,7 +115,9 @@ def _rmsnorm(g: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
             continue
         eps_name = add.input[1] if add.input[0] == mean.output[0] else add.input[0]
         sqrt = only(add.output[0], "Sqrt")
-        div = only(sqrt.output[0], "Div") if sqrt is not None else None
+        if sqrt is None:
+            continue
+        div = only(sqrt.output[0], "Div")
         if eps_name not in inits or div is None or list(div.input) != [x, sqrt.output[0]]:
             continue
         mul = only(div.output[0], "Mul")
@@ -133,7 +136,7 @@ def _rmsnorm(g: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
         nodes.insert(at, fused)
 
 
-def _attrs(n: onnx.NodeProto) -> dict[str, object]:
+def _attrs(n: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in n.attribute}
 
 

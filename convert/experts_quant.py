@@ -28,7 +28,7 @@ def quantize_rows(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray
     scales = np.abs(blocks).max(axis=-1) / _QMAX[bits]
     safe = np.where(scales > 0, scales, 1.0)[..., None]
     q = np.clip(np.rint(blocks / safe), -_QMAX[bits], _QMAX[bits]).astype(np.int16)
-    codes = (q + _ZERO_POINT[bits]).astype(np.uint8).reshape(*w.shape[:-1], k)
+    codes: np.ndarray = (q + _ZERO_POINT[bits]).astype(np.uint8).reshape(*w.shape[:-1], k)
     if bits == 4:
         codes = (codes[..., 0::2] & 0x0F) | (codes[..., 1::2] << 4)
     return np.ascontiguousarray(codes), scales.astype(np.float32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -53,7 +54,7 @@ class GraphBuilder:
         self._counter += 1
         return f"{hint}_{self._counter}"
 
-    def _node(self, op: str, inputs: Sequence[str], hint: str, **attrs: object) -> str:
+    def _node(self, op: str, inputs: Sequence[str], hint: str, **attrs: Any) -> str:
         out = self._fresh(hint)
         node = helper.make_node(op, list(inputs), [out], name=out, **attrs)
         self._nodes.append(node)

@@ -26,6 +26,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,7 @@ def _write_dataset(arrays: list[np.ndarray], workdir: Path) -> Path:
     return dataset
 
 
-def _simulate(rk: object, sim_in: Path, sim_out: Path, in_names: list[str],
+def _simulate(rk: Any, sim_in: Path, sim_out: Path, in_names: list[str],
               out_names: list[str]) -> None:
     """Run every sample of ``sim_in`` through the simulator; write ``sim_out`` atomically."""
     feeds = _load_samples(sim_in, in_names, "simulate")
@@ -96,18 +97,20 @@ def _simulate(rk: object, sim_in: Path, sim_out: Path, in_names: list[str],
         for slot, arr in zip(outs, got, strict=True):
             slot.append(np.asarray(arr, dtype=np.float32))
     tmp_out = sim_out.parent / f".{sim_out.stem}.{os.getpid()}.partial.npz"
-    np.savez(tmp_out, **{n: np.stack(o) for n, o in zip(out_names, outs, strict=True)})
+    arrays = {n: np.stack(o) for n, o in zip(out_names, outs, strict=True)}
+    # numpy's stub also matches **arrays against savez's allow_pickle: bool
+    np.savez(tmp_out, **arrays)  # type: ignore[arg-type]
     os.replace(tmp_out, sim_out)
 
 
-def configure_and_build(rk: object, onnx_path: Path, in_names: list[str], *, quant: str,
+def configure_and_build(rk: Any, onnx_path: Path, in_names: list[str], *, quant: str,
                         target: str, algorithm: str, hybrid_cos: float | None,
                         dynamic_input: str | None, calibration: str | None,
                         workdir: Path) -> None:
     """config + load_onnx + build on ``rk`` (also used by rknn_sim_server.py)."""
     if quant == "w8a8" and not calibration:
         raise BuildFailure("config", "w8a8 needs a calibration set of real inputs")
-    cfg = {"target_platform": target}
+    cfg: dict[str, Any] = {"target_platform": target}
     if quant == "w8a8":
         cfg.update(quantized_dtype="w8a8", quantized_method="channel",
                    quantized_algorithm=algorithm)
@@ -118,7 +121,7 @@ def configure_and_build(rk: object, onnx_path: Path, in_names: list[str], *, qua
     _check(rk.config(**cfg), "config")
     _check(rk.load_onnx(model=str(onnx_path)), "load_onnx")
     dataset = None
-    if quant == "w8a8":
+    if quant == "w8a8" and calibration:  # (checked above: w8a8 has one)
         calib = _load_samples(Path(calibration), in_names, "calibration")
         dataset = str(_write_dataset(calib, workdir))
     # auto_hybrid: the toolkit runs the calibration set through the fp32 and the

@@ -25,6 +25,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rknn_build import BuildFailure, _check, _graph_io, configure_and_build
@@ -37,7 +38,7 @@ def _reply(obj: dict) -> None:
     _protocol.flush()
 
 
-def _build_all(jobs: list[dict], workdir: Path) -> dict[str, tuple[object, list[str], list[str]]]:
+def _build_all(jobs: list[dict], workdir: Path) -> dict[str, tuple[Any, list[str], list[str]]]:
     from rknn.api import RKNN
 
     graphs = {}
@@ -59,7 +60,7 @@ def _build_all(jobs: list[dict], workdir: Path) -> dict[str, tuple[object, list[
     return graphs
 
 
-def _serve(graphs: dict[str, tuple[object, list[str], list[str]]]) -> None:
+def _serve(graphs: dict[str, tuple[Any, list[str], list[str]]]) -> None:
     for line in sys.stdin:
         try:
             req = json.loads(line)
@@ -71,8 +72,9 @@ def _serve(graphs: dict[str, tuple[object, list[str], list[str]]]) -> None:
                 raise BuildFailure("inference", f"simulator returned {got!r:.200}")
             out = Path(req["outputs"])
             partial = out.with_name(f".{out.stem}.partial.npz")
-            np.savez(partial, **{n: np.asarray(a, np.float32)
-                                 for n, a in zip(out_names, got, strict=True)})
+            arrays = {n: np.asarray(a, np.float32) for n, a in zip(out_names, got, strict=True)}
+            # numpy's stub also matches **arrays against savez's allow_pickle: bool
+            np.savez(partial, **arrays)  # type: ignore[arg-type]
             os.replace(partial, out)
             _reply({"ok": True})
         except Exception as exc:  # one bad request must not end the session

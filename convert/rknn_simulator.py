@@ -64,8 +64,9 @@ class SimulatedGraphs:
                                      for group in s.spec.shape_sets]}
             if s.calibration is not None:
                 path = self._work / f"{name}.calib.npz"
-                np.savez(path, **{k: np.asarray(v, np.float32)
-                                  for k, v in s.calibration.items()})
+                arrays = {k: np.asarray(v, np.float32) for k, v in s.calibration.items()}
+                # numpy's stub also matches **arrays against savez's allow_pickle: bool
+                np.savez(path, **arrays)  # type: ignore[arg-type]
                 job["calibration"] = str(path)
             jobs.append(job)
         (self._work / "jobs.json").write_text(json.dumps(jobs))
@@ -98,8 +99,9 @@ class SimulatedGraphs:
         if self._proc is None or self._proc.stdin is None:
             raise RknnToolkitError("the simulator session is closed")
         feeds, outs = self._work / "in.npz", self._work / "out.npz"
-        np.savez(feeds, **{n: np.asarray(x, np.float32)
-                           for n, x in zip(spec.inputs, inputs, strict=True)})
+        arrays = {n: np.asarray(x, np.float32) for n, x in zip(spec.inputs, inputs, strict=True)}
+        # numpy's stub also matches **arrays against savez's allow_pickle: bool
+        np.savez(feeds, **arrays)  # type: ignore[arg-type]
         self._proc.stdin.write(json.dumps({"stage": name, "inputs": str(feeds),
                                            "outputs": str(outs)}) + "\n")
         self._proc.stdin.flush()

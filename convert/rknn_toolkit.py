@@ -91,7 +91,9 @@ def rknn_available() -> bool:
 
 
 def _save_samples(path: Path, samples: Mapping[str, np.ndarray]) -> None:
-    np.savez(path, **{k: np.asarray(v, dtype=np.float32) for k, v in samples.items()})
+    arrays = {k: np.asarray(v, dtype=np.float32) for k, v in samples.items()}
+    # numpy's stub also matches **arrays against savez's allow_pickle: bool
+    np.savez(path, **arrays)  # type: ignore[arg-type]
 
 
 def build_rknn(

@@ -123,6 +123,7 @@ def mla_input_graph(name: str, w: MlaInputWeights, cfg: ModelConfig,
     u = b.rmsnorm(x, w.norm, cfg.rms_norm_eps, "norm")
     q_width = w.proj.shape[0] - r - dr - h
     if w.q_b is not None:
+        assert w.q_a_norm is not None  # q_lora's norm and up-projection come together
         q_in = b.rmsnorm(b.linear(u, _rows(w.proj, 0, q_width), "q_a"), w.q_a_norm,
                          LATENT_NORM_EPS, "q_a_norm")
         q_w = w.q_b
@@ -171,6 +172,7 @@ def mla_output_graph(name: str, w: OutputWeights, cfg: ModelConfig,
     x, ctx_in, gate = _inputs(b, contract)
     ctx = b.reshape(ctx_in, [0, 0, h, r], "ctx.shape")
     heads = b.node("Transpose", [ctx], perm=[0, 2, 1, 3])  # [1, H, T, r]
+    assert w.w_vb is not None  # an MLA layer's output weights always carry it
     w_vb_t = np.ascontiguousarray(w.w_vb.transpose(0, 2, 1))  # [H, r, dv]
     values = b.node("Transpose", [b.node("MatMul", [heads, b.weight("w_vb", w_vb_t)])],
                     perm=[0, 2, 1, 3])  # [1, T, H, dv]
@@ -197,11 +199,10 @@ def _output_tail(b: GraphBuilder, name: str, contract: StageContract, x: str, y:
         ffn = b.swiglu_mlp(u, w.ffn.gate_up[:inter], w.ffn.gate_up[inter:], w.ffn.down, "mlp")
         return _finish(b, name, contract, (delta, ffn))
     outputs = [delta, u]
-    if w.ffn.shared_gate_up is not None:
-        inter = w.ffn.shared_gate_up.shape[0] // 2
-        outputs += [b.swiglu_mlp(u, w.ffn.shared_gate_up[:inter],
-                                         w.ffn.shared_gate_up[inter:], w.ffn.shared_down,
-                                         "shared")]
+    gate_up, down = w.ffn.shared_gate_up, w.ffn.shared_down
+    if gate_up is not None and down is not None:
+        inter = gate_up.shape[0] // 2
+        outputs += [b.swiglu_mlp(u, gate_up[:inter], gate_up[inter:], down, "shared")]
     # The router stays float32 in transformers; w8a8 builds quantize it like the rest, the
     # simulator tier measures what that costs.
     outputs.append(b.linear(u, w.ffn.router, "router"))

@@ -17,9 +17,13 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ling3_rknn.bundle import EXPERT_FORMATS, STAGE_QUANTS, TARGETS
+from ling3_rknn.loading import LoadOptions
+
+if TYPE_CHECKING:
+    from ling3_rknn.engine import EngineProtocol
 
 API_KEY_ENV = "LING3_RKNN_API_KEY"
 PLACEHOLDER_API_KEY = "change-me"  # what systemd/ling3-rknn.env ships with
@@ -167,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(commands)
     _add_doctor(commands)
     _add_warm(commands)
+    _add_build_kernels(commands)
     return parser
 
 
@@ -238,6 +243,32 @@ def _add_warm(commands: Any) -> None:
     warm.add_argument("--model", help="send this model id instead of the recorded one")
 
 
+def _add_build_kernels(commands: Any) -> None:
+    """``build-kernels``: compile the decode kernels for this machine (the install step;
+    ``ling3_rknn.model.native_build``)."""
+    build = commands.add_parser(
+        "build-kernels", help="compile the decode kernels for this machine (install step)")
+    build.add_argument("--dir", type=Path, metavar="DIR",
+                       help="where to put them (default: $LING3_RKNN_KERNEL_DIR, else "
+                            "<venv>/lib/ling3-rknn); the service must find them there")
+
+
+def build_kernels(directory: Path | None) -> int:
+    from ling3_rknn.model import native_build
+
+    target = directory or native_build.kernel_directory()
+    try:
+        manifest = native_build.build(target)
+    except native_build.BuildError as exc:
+        print(f"ling3-rknn: decode kernels not built: {exc}\n"
+              "  without them the decode glue runs on numpy (correct, slower); "
+              "a C compiler: sudo apt install gcc", file=sys.stderr)
+        return 1
+    print(f"built {target / native_build.LIBRARY}: {manifest.isa}; "
+          f"{manifest.compiler} {' '.join(manifest.flags)}")
+    return 0
+
+
 def _add_doctor(commands: Any) -> None:
     """``doctor``: is this board ready to serve, and the command that fixes what is not."""
     doc = commands.add_parser("doctor", help="check the board and bundle; print the fixes")
@@ -262,26 +293,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, object]:
-    options: dict[str, object] = {}
-    if args.model_id is not None:
-        options["model_id"] = args.model_id
-    if args.max_context is not None:
-        options["max_context"] = args.max_context
-    if args.cache_bytes is not None:
-        options["cache_bytes"] = args.cache_bytes
-    if args.cache_dir is not None:
-        options["cache_dir"] = args.cache_dir
-    if args.max_queue is not None:
-        options["max_queue"] = args.max_queue
-    if args.prefill_scratch is not None:
-        options["prefill_scratch_bytes"] = args.prefill_scratch
-    if args.default_max_tokens is not None:  # 0: no cap but the context
-        options["default_max_tokens"] = args.default_max_tokens or None
-    return options
+def _engine_options(args: argparse.Namespace) -> LoadOptions:
+    """The serve flags that were given; the rest stay None (the model's or the engine's)."""
+    return LoadOptions(
+        model_id=args.model_id,
+        max_context=args.max_context,
+        cache_bytes=args.cache_bytes,
+        cache_dir=args.cache_dir,
+        max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,  # 0: no cap but the context
+        prefill_scratch_bytes=args.prefill_scratch,
+    )
 
 
-def make_loader(args: argparse.Namespace) -> Callable[[], object]:
+def make_loader(args: argparse.Namespace) -> Callable[[], EngineProtocol]:
     """The function the server runs in a thread to build the engine."""
     from ling3_rknn import loading
 
@@ -296,13 +321,13 @@ def make_loader(args: argparse.Namespace) -> Callable[[], object]:
         return lambda: loading.engine_from_bundle(bundle_dir, options, verify=args.verify,
                                                   latent_dtype=args.latent_cache)
 
-    def load_demo() -> object:
+    def load_demo() -> EngineProtocol:
         from ling3_rknn.demo import load_demo_engine
 
         print("ling3-rknn: serving the embedded demo model (a 7.1M-parameter Ling-3.0 trained "
               "as a tiny weather/time agent); --bundle DIR serves a converted Ling-3.0-tiny.",
               file=sys.stderr, flush=True)
-        return load_demo_engine(latent_dtype=args.latent_cache, **options)
+        return load_demo_engine(options, latent_dtype=args.latent_cache)
 
     return load_demo
 
@@ -393,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ling3_rknn.warm import run_warm
 
         return run_warm(args.url, args.files, args.api_key, args.model)
+    if args.command == "build-kernels":
+        return build_kernels(args.dir)
     if args.command == "convert":
         from convert.cli import run_convert
 

@@ -11,50 +11,98 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from ling3_rknn.engine import Engine
+    from ling3_rknn.engine import Engine, EngineOptions, TokenizerLike
+    from ling3_rknn.model import Model
+
+T = TypeVar("T")
 
 DEFAULT_MODEL_ID = "ling-3.0-tiny"
 # The MLA latent cache grows with the context; 32K fits the CM3588's RAM next to the model.
 DEFAULT_MAX_CONTEXT = 32768
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """What the operator set (``serve``'s flags); None: what the model brings, else the
+    engine's default (``EngineOptions``)."""
+
+    model_id: str | None = None
+    max_context: int | None = None  # None: the model's limit, at most DEFAULT_MAX_CONTEXT
+    cache_bytes: int | None = None
+    cache_dir: Path | None = None
+    max_queue: int | None = None
+    default_max_tokens: int | None = None  # 0: no cap but the context
+    grammar_cache_bytes: int | None = None
+    prefill_scratch_bytes: int | None = None  # the model's (``Model``), not the engine's
+
+
+def engine_options(
+    options: LoadOptions,
+    max_position_embeddings: int,
+    *,
+    generation_config: dict[str, Any] | None = None,
+    weights_identity: str | None = None,
+    default_model_id: str = DEFAULT_MODEL_ID,
+) -> EngineOptions:
+    """The engine's options: what the operator set wins over what the model brings (see
+    the module docstring); what neither says keeps the engine's default."""
+    from ling3_rknn.engine import EngineOptions, defaults_from_generation_config
+
+    limit = max_position_embeddings
+    if options.max_context is not None and options.max_context > limit:
+        # Advertising more would let prompts through that the model then fails on.
+        raise ValueError(f"--max-context {options.max_context} is beyond what the model "
+                         f"supports (max_position_embeddings {limit})")
+    base = EngineOptions(
+        model_id=_given(options.model_id, default_model_id),
+        max_context=_given(options.max_context, min(limit, DEFAULT_MAX_CONTEXT)),
+    )
+    cap = options.default_max_tokens
+    return replace(
+        base,
+        cache_bytes=_given(options.cache_bytes, base.cache_bytes),
+        cache_dir=options.cache_dir,
+        max_queue=_given(options.max_queue, base.max_queue),
+        grammar_cache_bytes=_given(options.grammar_cache_bytes, base.grammar_cache_bytes),
+        weights_identity=weights_identity,
+        default_max_tokens=base.default_max_tokens if cap is None else (cap or None),
+        generation_defaults=(defaults_from_generation_config(generation_config)
+                             if generation_config else base.generation_defaults),
+        eos_token_ids=(tuple(_eos_ids(generation_config)) if generation_config
+                       else base.eos_token_ids),
+    )
+
+
+def _given(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
 def make_engine(
-    model: Any,
-    tokenizer: Any,
-    options: dict[str, object],
+    model: Model,
+    tokenizer: TokenizerLike,
+    options: LoadOptions,
     *,
     generation_config: dict[str, Any] | None = None,
     weights_identity: str | None = None,
     default_model_id: str = DEFAULT_MODEL_ID,
 ) -> Engine:
-    """The engine for ``model``: ``options`` (the Engine's keyword arguments, as the CLI
-    collected them) win over what the model brings (see the module docstring)."""
-    from ling3_rknn.engine import Engine, defaults_from_generation_config
+    """The engine for ``model``: ``options`` (as the CLI collected them) win over what the
+    model brings (see the module docstring)."""
+    from ling3_rknn.engine import Engine
 
-    options = dict(options)
-    scratch = options.pop("prefill_scratch_bytes", None)  # the model's, not the engine's
-    if scratch is not None:
-        model.prefill_scratch_bytes = int(scratch)  # type: ignore[call-overload]
-    if generation_config:
-        options["generation_defaults"] = defaults_from_generation_config(generation_config)
-        options.setdefault("eos_token_ids", _eos_ids(generation_config))
-    if weights_identity is not None:
-        options["weights_identity"] = weights_identity
-    options.setdefault("model_id", default_model_id)
+    resolved = engine_options(
+        options, model.config.max_position_embeddings, generation_config=generation_config,
+        weights_identity=weights_identity, default_model_id=default_model_id)
     # a bundle converted with bigger prefill graphs is fed in pieces of the biggest
-    options.setdefault("prefill_chunk", model.prefill_chunk)
-    limit = model.config.max_position_embeddings
-    if "max_context" not in options:
-        options["max_context"] = min(limit, DEFAULT_MAX_CONTEXT)
-    elif int(options["max_context"]) > limit:  # type: ignore[call-overload]
-        # Advertising more would let prompts through that the model then fails on.
-        raise ValueError(f"--max-context {options['max_context']} is beyond what the model "
-                         f"supports (max_position_embeddings {limit})")
-    return Engine(model, tokenizer, **options)
+    resolved = replace(resolved, prefill_chunk=model.prefill_chunk)
+    if options.prefill_scratch_bytes is not None:
+        model.prefill_scratch_bytes = options.prefill_scratch_bytes
+    return Engine(model, tokenizer, resolved)
 
 
 def _eos_ids(generation_config: dict[str, Any]) -> list[int]:
@@ -83,7 +131,7 @@ def read_generation_config(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def engine_from_hf(hf_dir: Path, tokenizer_path: Path, options: dict[str, object], *,
+def engine_from_hf(hf_dir: Path, tokenizer_path: Path, options: LoadOptions, *,
                    latent_dtype: str = "float32") -> Engine:
     """The numpy model on an HF checkpoint (no bundle, no NPU). ``latent_dtype``: the MLA
     latent cache's dtype (``--latent-cache``)."""
@@ -100,7 +148,7 @@ def engine_from_hf(hf_dir: Path, tokenizer_path: Path, options: dict[str, object
     )
 
 
-def engine_from_bundle(bundle_dir: Path, options: dict[str, object], *,
+def engine_from_bundle(bundle_dir: Path, options: LoadOptions, *,
                        default_model_id: str = DEFAULT_MODEL_ID,
                        verify: str = "stamped", latent_dtype: str = "float32") -> Engine:
     """A converted bundle: RKNNLite on a board, the RKNNLite mock (ONNX twins) on a host.

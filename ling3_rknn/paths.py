@@ -1,4 +1,5 @@
-"""Where the runtime keeps what it writes for itself (bundle check stamps, built kernels)."""
+"""Where the runtime keeps what it writes for itself (bundle check stamps). The decode
+kernels are not among them: they are built at install (``model/native_build.py``)."""
 
 from __future__ import annotations
 

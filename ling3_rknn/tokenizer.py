@@ -16,7 +16,7 @@ stream of ids can be turned into text incrementally without ever emitting half a
 character; tests pin it to the library's own decode.
 
 Leaf module: imports nothing from the rest of ``ling3_rknn`` but the chat format's marker
-spellings (``chat.markers``).
+spellings (``chat.markers``) and what a prompt piece is (``chat.segments.SegmentLike``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ling3_rknn.chat import markers
+from ling3_rknn.chat.segments import SegmentLike
 
 # Template markers that must never be produced from TEXT (spelled in ``chat.markers``).
 CONTROL_TOKEN_NAMES: tuple[str, ...] = markers.CONTROL_MARKERS
@@ -60,14 +60,6 @@ PIECE_CHARS = 1 << 16
 # pre-tokenizers) when one is near; a cut can still move a few tokens at its edges, so the
 # piecewise count refuses only past the limit plus this many tokens per cut.
 _CUT_SLACK = 16
-
-
-class SegmentLike(Protocol):
-    @property
-    def text(self) -> str: ...
-
-    @property
-    def control(self) -> bool: ...
 
 
 def _byte_decoder() -> dict[str, int]:

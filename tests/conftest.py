@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from ling3_rknn.model import native_build
 
 # Property tests check behaviour, never speed: the shared CI machine is noisy, so no
 # per-example deadline (a slow example must not fail a correct property).
@@ -20,19 +23,28 @@ _STATE_DIR: str | None = None  # made (and removed) by this process
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Point the runtime's state directory (built C kernels, bundle check stamps;
-    ``ling3_rknn.paths``) at a directory of this session's own, before any test module is
-    imported: some decide at import whether the kernels load (``native.available()``), and
-    a test run must not build into, or load from, the user's ``~/.cache``. Servers the
-    tests start, and pytest-xdist's workers, inherit it. Removed at the end of the
-    session."""
+    """Point the runtime's state directory (bundle check stamps; ``ling3_rknn.paths``) and
+    its kernel directory at a directory of this session's own, and build the C kernels
+    there from the sources under test, before any test module is imported: some decide
+    at import whether the kernels load (``native.available()``), and a test run must
+    neither write into nor load from the user's ``~/.cache`` or the venv's installed
+    kernels. Servers the tests start, and pytest-xdist's workers, inherit both. Removed at
+    the end of the session. Without a C compiler nothing is built and the kernel tests
+    skip; a failed build shows in ``native.status()`` (test_native_kernels.py)."""
     global _STATE_DIR
     os.environ.pop("STATE_DIRECTORY", None)  # systemd's name wins over ours (paths.py)
     inherited = os.environ.get("LING3_RKNN_STATE_DIR", "")
     if os.environ.get("PYTEST_XDIST_WORKER") and Path(inherited).name.startswith(_STATE_PREFIX):
-        return  # an xdist worker: the controller's directory, removed by the controller
+        return  # an xdist worker: the controller's directories, removed by the controller
     _STATE_DIR = tempfile.mkdtemp(prefix=_STATE_PREFIX)
     os.environ["LING3_RKNN_STATE_DIR"] = _STATE_DIR
+    kernels = Path(_STATE_DIR) / "kernels"
+    os.environ[native_build.KERNEL_DIR_ENV] = str(kernels)
+    if native_build.compiler() is not None:
+        try:
+            native_build.build(kernels)
+        except native_build.BuildError as exc:
+            sys.stderr.write(f"conftest.py: the C kernels did not build: {exc}\n")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

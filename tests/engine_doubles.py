@@ -2,7 +2,12 @@
 
 Its logits are a deterministic function of the whole token history, so any mistake in
 restoring cached state shows up as different output. The real model runs through the
-engine in tests/test_engine_agent_loop.py.
+engine in tests/test_engine_agent_loop.py, behind ``DelegatingModel`` where a test needs
+to watch or bend it.
+
+Every double here implements the whole of the engine's protocols
+(``ling3_rknn.engine.protocols``) and is type-checked against them (``make lint`` runs
+mypy over this file: see the ``TYPE_CHECKING`` block at the end).
 """
 
 from __future__ import annotations
@@ -11,9 +16,24 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ling3_rknn.engine.protocols import ModelConfigLike
+from ling3_rknn.model.snapshot_arrays import SnapshotArrays, joined
+
+if TYPE_CHECKING:  # only annotations: the scripted doubles never load the model package
+    from ling3_rknn.model import Model, SequenceState, StateSnapshot
+
+
+@dataclass(frozen=True)
+class ScriptedConfig:
+    """The config fields the engine reads (``ModelConfigLike``)."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 4096
 
 
 @dataclass(frozen=True)
@@ -32,9 +52,12 @@ class FakeSnapshot:
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {"tokens": np.asarray(self.tokens, np.int64)}
 
+    def blocked_arrays(self) -> dict[str, np.ndarray]:
+        return self.to_arrays()  # nothing per-token to hand over in blocks
+
     @staticmethod
-    def from_arrays(arrays) -> FakeSnapshot:
-        return FakeSnapshot(tuple(int(t) for t in arrays["tokens"]))
+    def from_arrays(arrays: SnapshotArrays) -> FakeSnapshot:
+        return FakeSnapshot(tuple(int(t) for t in joined(arrays)["tokens"]))
 
 
 class FakeState:
@@ -56,6 +79,8 @@ class FakeState:
 class ScriptedModel:
     """``next_token(history) -> id`` decides the argmax after each position."""
 
+    latent_dtype = "float32"
+
     def __init__(
         self,
         vocab_size: int,
@@ -65,9 +90,7 @@ class ScriptedModel:
         delay: float = 0.0,
         snapshot_size: int = 4096,
     ) -> None:
-        self.config = SimpleNamespace(
-            vocab_size=vocab_size, eos_token_ids=eos_token_ids, max_position_embeddings=4096
-        )
+        self.config = ScriptedConfig(vocab_size, eos_token_ids)
         self._next = next_token
         self.delay = delay
         self.snapshot_size = snapshot_size
@@ -79,11 +102,16 @@ class ScriptedModel:
     def new_state(self) -> FakeState:
         return FakeState(self.snapshot_size)
 
+    def snapshot_from_arrays(self, arrays: SnapshotArrays) -> FakeSnapshot:
+        return FakeSnapshot.from_arrays(arrays)
+
     @property
     def evaluated(self) -> int:
         return sum(len(c) for c in self.calls)
 
-    def forward(self, token_ids, state: FakeState, *, last_only: bool = False) -> np.ndarray:
+    def forward(
+        self, token_ids: Sequence[int], state: FakeState, *, last_only: bool = False
+    ) -> np.ndarray:
         ids = [int(t) for t in token_ids]
         if self.gate is not None:
             self.gate.wait(10)
@@ -116,3 +144,38 @@ def answer_script(answer: Sequence[int], after: int, eos: int) -> Callable[[Sequ
         return eos
 
     return next_token
+
+
+class DelegatingModel:
+    """The real model behind the engine's protocol; subclasses watch or bend ``forward``."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+
+    @property
+    def config(self) -> ModelConfigLike:
+        return self._model.config
+
+    @property
+    def latent_dtype(self) -> str:
+        return self._model.latent_dtype
+
+    def new_state(self) -> SequenceState:
+        return self._model.new_state()
+
+    def snapshot_from_arrays(self, arrays: SnapshotArrays) -> StateSnapshot:
+        return self._model.snapshot_from_arrays(arrays)
+
+    def forward(
+        self, token_ids: Sequence[int], state: SequenceState, *, last_only: bool = False
+    ) -> np.ndarray:
+        return self._model.forward(token_ids, state, last_only=last_only)
+
+
+if TYPE_CHECKING:  # mypy holds each double to the protocol the engine calls it through
+    from ling3_rknn.engine.protocols import ModelLike, SnapshotLike, StateLike
+
+    _models: tuple[type[ModelLike[FakeState]], type[ModelLike[SequenceState]]] = (
+        ScriptedModel, DelegatingModel)
+    _state: type[StateLike] = FakeState
+    _snapshot: type[SnapshotLike] = FakeSnapshot

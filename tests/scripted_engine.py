@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ling3_rknn.chat.events import Admitted, Finished, GenerationEvent, TextDelta, Usage
 from ling3_rknn.engine.api import (
@@ -23,6 +24,7 @@ from ling3_rknn.engine.api import (
     EngineStats,
     GenerationRequest,
     InvalidRequest,
+    SegmentLike,
 )
 from ling3_rknn.engine.parsed_turn import ParsedTurn
 
@@ -87,11 +89,12 @@ class ScriptedEngine:
         self.closed += 1
 
     def push(self, *pieces: str, **options: object) -> Script:
+        # ``options`` are Script's other fields, checked by its constructor at run time
         script = Script(pieces=list(pieces), **options)  # type: ignore[arg-type]
         self.scripts.append(script)
         return script
 
-    def encode_prompt(self, segments) -> list[int]:
+    def encode_prompt(self, segments: Sequence[SegmentLike]) -> list[int]:
         """The stand-in tokenizer's ids (one per 4 characters), as ``generate`` counts."""
         return list(range(count_tokens("".join(s.text for s in segments))))
 
@@ -174,3 +177,9 @@ class ScriptedEngine:
         )
         yield Finished(script.finish_reason, usage, "".join(produced),  # type: ignore[arg-type]
                        stop=script.stop)
+
+
+if TYPE_CHECKING:  # mypy holds the double to the contract the server calls it through
+    from ling3_rknn.engine.api import EngineProtocol
+
+    _engine: type[EngineProtocol] = ScriptedEngine

@@ -24,7 +24,7 @@ import pytest
 from server_harness import running_server
 
 from ling3_rknn.demo import DEMO_MODEL_ID, load_demo_engine
-from ling3_rknn.loading import DEFAULT_MODEL_ID
+from ling3_rknn.loading import DEFAULT_MODEL_ID, LoadOptions
 from ling3_rknn.server import AppConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ async def run_snippets(markdown: Path, model_id: str, api_key: str | None) -> tu
         list[dict], list[str], list[str]]:
     """(the clients' results, the ids the server lists, the prompts it got)."""
     docs = snippets(markdown)
-    engine = load_demo_engine(model_id=model_id)
+    engine = load_demo_engine(LoadOptions(model_id=model_id))
     recording = Recording(engine)
     env = {**os.environ, "LING3_RKNN_API_KEY": api_key or ""}
     try:

@@ -16,7 +16,7 @@ from fake_board import GIB_KB, fake_board
 from ling3_rknn import cli
 from ling3_rknn.doctor import SysRoot, board, diagnose, host, run_doctor
 from ling3_rknn.doctor.report import Check, Report
-from ling3_rknn.model import native
+from ling3_rknn.model import native, native_build
 
 
 @pytest.fixture
@@ -85,15 +85,15 @@ def test_missing_lite2_on_the_board_fails_with_the_pip_command(tmp_path, capsys)
 
 
 def test_decode_kernels_are_reported_with_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setenv("LING3_RKNN_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("LING3_RKNN_KERNEL_DIR", str(tmp_path))
     monkeypatch.delenv("LING3_RKNN_NATIVE", raising=False)
     monkeypatch.setattr(native, "_loaded", False)
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "_status", "not loaded yet")
-    monkeypatch.setattr(native, "compiler", lambda: None)
+    monkeypatch.setattr(native_build, "compiler", lambda: None)
     check = host.decode_kernels()
-    assert check.status == "warn" and "no C compiler" in check.detail
-    assert "apt install gcc" in check.fix
+    assert check.status == "warn" and "not built" in check.detail
+    assert "apt install gcc" in check.fix and "build-kernels" in check.fix
     monkeypatch.setenv("LING3_RKNN_NATIVE", "0")
     monkeypatch.setattr(native, "_loaded", False)
     assert host.decode_kernels().status == "skip"
@@ -114,7 +114,7 @@ def test_host_says_not_an_rk3588_and_checks_the_bundle(tmp_path, capsys):
     assert "ok   bundle:" in out and "built by rknn-toolkit2 2.5.0" in out
     assert "graphs: 9 of 9 loaded on the onnxruntime mock" in out
     assert "latency: decode floor" in out and "governor" not in out
-    if native.compiler() is not None:
+    if native_build.compiler() is not None:
         assert "ok   decode kernels: compiled (" in out
     assert out.rstrip().endswith("ready (not an RK3588: the checks a host allows passed)")
 

@@ -9,11 +9,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_doubles import DelegatingModel
 from engine_tiny_model import make_tiny_checkpoint
 from safetensors import safe_open
 
 from ling3_rknn.chat import assistant_message, parse_assistant, render
-from ling3_rknn.engine import Engine, Finished, GenerationRequest, SamplingParams, TextDelta
+from ling3_rknn.engine import (
+    Engine,
+    EngineOptions,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    TextDelta,
+)
 from ling3_rknn.engine.snapshot_store import model_fingerprint
 from ling3_rknn.model import Model
 from ling3_rknn.tokenizer import Tokenizer
@@ -37,20 +45,16 @@ TOOLS = [
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 
 
-class SpyModel:
+class SpyModel(DelegatingModel):
     """Delegates to the real model; records what was evaluated and the last logits row."""
 
     def __init__(self, model: Model) -> None:
-        self._model = model
-        self.config = model.config
+        super().__init__(model)
         self.fed: list[int] = []
         self.last_rows: list[np.ndarray] = []
 
-    def new_state(self):
-        return self._model.new_state()
-
     def forward(self, token_ids, state, *, last_only: bool = False):
-        out = self._model.forward(token_ids, state, last_only=last_only)
+        out = super().forward(token_ids, state, last_only=last_only)
         self.fed.extend(int(t) for t in token_ids)
         self.last_rows.append(out[-1].copy())
         return out
@@ -85,7 +89,7 @@ async def run(engine: Engine, segments, max_tokens: int) -> tuple[Finished, list
 
 def engine_for(spy, tok, **kw) -> Engine:
     kw.setdefault("checkpoint_min_tokens", 8)
-    return Engine(spy, tok, model_id="tiny", max_context=2048, **kw)
+    return Engine(spy, tok, EngineOptions(model_id="tiny", max_context=2048, **kw))
 
 
 async def turn_one(engine: Engine, tok: Tokenizer, user: str = "Open a.py"):

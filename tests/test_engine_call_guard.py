@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from constrained_tools import TOOLS, check_calls
+from engine_doubles import DelegatingModel
 from engine_tiny_model import make_tiny_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ling3_rknn.chat import ContentDelta, Finished, ReasoningDelta, ToolCallParsed, markers
-from ling3_rknn.engine import Engine
+from ling3_rknn.engine import Engine, EngineOptions
 from ling3_rknn.engine.call_guard import BanRows, MarkerBan
 from ling3_rknn.model import Model
 from ling3_rknn.server.completion import generation_request, render_prompt
@@ -32,21 +33,17 @@ UNDECLARED = {"type": "function", "function": {"name": "get_forecast", "paramete
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-class Tempted:
+class Tempted(DelegatingModel):
     """The real model with ``boost`` added to the logits of ``ids``: a model that keeps
     opening calls (and writing call markup) unless something stops it."""
 
     def __init__(self, model: Model, ids: list[int], boost: float) -> None:
-        self._model = model
-        self.config = model.config
+        super().__init__(model)
         self._ids = ids
         self._boost = np.float32(boost)
 
-    def new_state(self):
-        return self._model.new_state()
-
     def forward(self, token_ids, state, *, last_only: bool = False):
-        out = self._model.forward(token_ids, state, last_only=last_only).copy()
+        out = super().forward(token_ids, state, last_only=last_only).copy()
         out[:, self._ids] += self._boost
         return out
 
@@ -64,7 +61,8 @@ def tiny(tmp_path_factory) -> Model:
 @pytest.fixture(scope="module")
 def engine(tiny, tok):
     tempted = Tempted(tiny, [tok.special_ids[m] for m in markers.CALL_MARKERS], 6.0)
-    engine = Engine(tempted, tok, model_id="tiny", max_context=2048, checkpoint_min_tokens=8)
+    engine = Engine(tempted, tok,
+                    EngineOptions(model_id="tiny", max_context=2048, checkpoint_min_tokens=8))
     yield engine
     engine.close()
 
@@ -165,7 +163,8 @@ async def test_a_forced_string_never_closed_ends_at_its_bound(tiny, tok):
     cut at its share of it (128 // 2 -> 64 tokens), the call ends, finish_reason says
     "length", and the arguments are what was generated."""
     stubborn = Tempted(tiny, [tok.special_ids["</arg_value>"]], -1e4)
-    capped = Engine(stubborn, tok, model_id="tiny", max_context=2048, default_max_tokens=128)
+    capped = Engine(stubborn, tok,
+                    EngineOptions(model_id="tiny", max_context=2048, default_max_tokens=128))
     note = {"type": "function", "function": {"name": "note", "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
     with capped:
@@ -181,7 +180,8 @@ async def test_a_forced_string_never_closed_ends_at_its_bound(tiny, tok):
 
 
 async def test_a_request_without_max_tokens_gets_the_default_cap(tiny, tok):
-    capped = Engine(tiny, tok, model_id="tiny", max_context=2048, default_max_tokens=7)
+    capped = Engine(tiny, tok,
+                    EngineOptions(model_id="tiny", max_context=2048, default_max_tokens=7))
     with capped:
         finished, _, _ = await answer(capped, {
             "messages": [{"role": "user", "content": "Hi"}], "temperature": 1.0,
@@ -201,7 +201,7 @@ async def test_a_lazy_grammar_that_breaks_mid_call_leaves_the_turn_free(tiny, to
                                                "pattern": "^([a-z]+\\d?){1,2000}$"}},
         "required": ["x"]}}}
     opener = Tempted(tiny, [tok.special_ids["<tool_call>"]], 8.0)  # opens, never closes
-    with Engine(opener, tok, model_id="tiny", max_context=2048) as calling:
+    with Engine(opener, tok, EngineOptions(model_id="tiny", max_context=2048)) as calling:
         for sampling in ({"temperature": 0}, {"temperature": 0.7, "seed": 1}):
             finished, _, _ = await answer(calling, {
                 "messages": [{"role": "user", "content": "Go."}], "tools": [tool],

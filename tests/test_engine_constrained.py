@@ -26,7 +26,13 @@ from ling3_rknn.chat import (
     render,
     turn_grammar,
 )
-from ling3_rknn.engine import Engine, GenerationRequest, InvalidRequest, SamplingParams
+from ling3_rknn.engine import (
+    Engine,
+    EngineOptions,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+)
 from ling3_rknn.model import Model
 from ling3_rknn.tokenizer import Tokenizer
 
@@ -58,8 +64,8 @@ def model(tmp_path_factory) -> CallCounter:
 
 @pytest.fixture(scope="module")
 def engine(model):
-    engine = Engine(model, Tokenizer.from_file(TOKENIZER), model_id="tiny", max_context=2048,
-                    checkpoint_min_tokens=8)
+    engine = Engine(model, Tokenizer.from_file(TOKENIZER),
+                    EngineOptions(model_id="tiny", max_context=2048, checkpoint_min_tokens=8))
     yield engine
     engine.close()
 
@@ -194,17 +200,22 @@ async def test_a_grammar_the_library_cannot_compile_is_invalid_request(engine):
     assert calls
 
 
-async def test_a_tokenizer_without_a_library_form_refuses_constraints(model):
-    class Plain:
+async def test_a_tokenizer_the_library_cannot_read_refuses_constraints(model):
+    class Unreadable:
+        """The real tokenizer, but its tokens' bytes come back as text: llguidance cannot
+        build its view of it."""
+
         def __init__(self, tok: Tokenizer) -> None:
             self._tok = tok
 
         def __getattr__(self, name):
-            if name == "library_json":
-                raise AttributeError(name)
             return getattr(self._tok, name)
 
-    plain = Engine(model, Plain(Tokenizer.from_file(TOKENIZER)), model_id="t", max_context=2048)
+        def token_bytes(self, token_id: int) -> str:
+            return self._tok.decode([token_id])
+
+    plain = Engine(model, Unreadable(Tokenizer.from_file(TOKENIZER)),
+                   EngineOptions(model_id="t", max_context=2048))
     with plain, pytest.raises(InvalidRequest, match="not available"):
         await constrained(plain, [USER], tool_choice="required")
 

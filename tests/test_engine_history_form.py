@@ -20,7 +20,7 @@ from tool_fixtures import READ_TOOLS
 
 from ling3_rknn import chat
 from ling3_rknn.chat.segments import Segment
-from ling3_rknn.engine import Engine, Finished, GenerationRequest, SamplingParams
+from ling3_rknn.engine import Engine, EngineOptions, Finished, GenerationRequest, SamplingParams
 from ling3_rknn.tokenizer import Tokenizer
 
 TOKENIZER = Path(__file__).parent / "fixtures" / "tokenizer" / "compact" / "tokenizer.json"
@@ -46,7 +46,8 @@ async def two_turns(tok: Tokenizer, with_history_form: bool) -> tuple[Finished, 
     think = tok.special_ids["<think>"]
     answer = generated_ids(tok)
     model = ScriptedModel(tok.vocab_size, answer_script(answer, think, tok.eos_id))
-    engine = Engine(model, tok, model_id="t", max_context=1024, checkpoint_min_tokens=0)
+    engine = Engine(model, tok,
+                    EngineOptions(model_id="t", max_context=1024, checkpoint_min_tokens=0))
     form = functools.partial(chat.StreamingParser, thinking=True) if with_history_form else None
 
     async def run(messages: list[dict]) -> Finished:

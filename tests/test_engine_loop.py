@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from engine_doubles import FakeSnapshot, ScriptedModel, answer_script
+from engine_doubles import ScriptedModel, answer_script
 
 from ling3_rknn.chat.segments import Segment
 from ling3_rknn.engine import (
@@ -17,6 +17,7 @@ from ling3_rknn.engine import (
     Engine,
     EngineBusy,
     EngineFailure,
+    EngineOptions,
     Finished,
     GenerationRequest,
     InvalidRequest,
@@ -63,7 +64,8 @@ def make_engine(tok, answer_text="hello world", answer_ids=None, **kw
         delay=kw.pop("delay", 0.0),
     )
     kw.setdefault("checkpoint_min_tokens", 0)
-    engine = Engine(model, tok, model_id="test", max_context=kw.pop("max_context", 512), **kw)
+    options = EngineOptions(model_id="test", max_context=kw.pop("max_context", 512), **kw)
+    engine = Engine(model, tok, options)
     return engine, model
 
 
@@ -364,7 +366,7 @@ async def test_edited_last_message_falls_back_to_the_header_snapshot(tok):
 
 
 async def test_persistent_cache_survives_a_restart(tok, tmp_path):
-    kw = {"cache_dir": tmp_path, "snapshot_from_arrays": FakeSnapshot.from_arrays}
+    kw = {"cache_dir": tmp_path}  # read back by ScriptedModel.snapshot_from_arrays
     engine, _ = make_engine(tok, **kw)
     with engine:
         _, fin1 = await collect(engine, GenerationRequest(prompt(), GREEDY))
@@ -466,7 +468,8 @@ async def test_thinking_turn_round_trips_through_the_chat_layer(tok):
     think = tok.special_ids["<think>"]  # the generation prompt ends with it
     model = ScriptedModel(tok.vocab_size, answer_script(answer, think, tok.eos_id))
     history = [{"role": "user", "content": "read a.py"}]
-    with Engine(model, tok, model_id="t", max_context=1024, checkpoint_min_tokens=0) as engine:
+    options = EngineOptions(model_id="t", max_context=1024, checkpoint_min_tokens=0)
+    with Engine(model, tok, options) as engine:
         _, fin = await collect(engine, GenerationRequest(render(history, tools), GREEDY))
         parsed = parse_assistant(fin.text, tools, thinking=True)
         assert parsed.reasoning == "look" and parsed.tool_calls

@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 
 from ling3_rknn.engine.prefix_cache import PrefixCache
 from ling3_rknn.engine.snapshot_store import SnapshotStore, model_fingerprint
+from ling3_rknn.model.snapshot_arrays import RowBlocks, joined
 
 VOCAB = 16
 
@@ -350,13 +351,15 @@ class LatentSnap:
         return self.rows.nbytes
 
     @staticmethod
-    def to_arrays(s) -> dict[str, np.ndarray]:
-        return {"mla.3.latent": s.rows, "length": np.array(len(s.rows), np.int64)}
+    def to_arrays(s) -> dict[str, np.ndarray | RowBlocks]:
+        return {"mla.3.latent": RowBlocks.from_rows(s.rows),
+                "length": np.array(len(s.rows), np.int64)}
 
     @staticmethod
     def from_arrays(arrays) -> LatentSnap:
-        assert int(arrays["length"]) == len(arrays["mla.3.latent"])
-        return LatentSnap(arrays["mla.3.latent"])
+        latent = joined(arrays)["mla.3.latent"]
+        assert int(arrays["length"]) == len(latent)
+        return LatentSnap(latent)
 
 
 def latent_cache(tmp_path, **kw) -> PrefixCache:

@@ -14,6 +14,7 @@ import pytest
 from conftest import ORACLE_DIR, ORACLE_FIXTURES
 
 from ling3_rknn.engine.engine import Engine
+from ling3_rknn.engine.options import EngineOptions
 from ling3_rknn.model import Model, SnapshotError, StateSnapshot, mla, native
 from ling3_rknn.model.state import SequenceState
 
@@ -104,10 +105,11 @@ def test_an_unknown_dtype_is_refused(models):
 
 def test_prefix_cache_files_of_each_dtype_are_kept_apart(models, tmp_path):
     full, half, _ = models
-    stores = [Engine._build_cache(m, 2**20, tmp_path, None, "weights:x", None)
-              for m in (full, half)]
+    options = EngineOptions(model_id="x", max_context=64, cache_bytes=2**20, cache_dir=tmp_path,
+                            weights_identity="weights:x")
+    stores = [Engine._build_cache(m, options) for m in (full, half)]
     assert stores[0] is not None and stores[1] is not None
-    assert stores[0]._store.fingerprint != stores[1]._store.fingerprint
+    assert stores[0]._disk.store.fingerprint != stores[1]._disk.store.fingerprint
 
 
 @pytest.mark.skipif(not native.available(), reason="the compiled kernels are not built here")

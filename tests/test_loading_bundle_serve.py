@@ -17,7 +17,14 @@ from engine_tiny_model import make_tiny_checkpoint
 from convert.converter import ConvertOptions, convert
 from ling3_rknn.chat import render
 from ling3_rknn.cli import build_parser, make_loader
-from ling3_rknn.engine import Engine, Finished, GenerationRequest, SamplingParams, TextDelta
+from ling3_rknn.engine import (
+    Engine,
+    EngineOptions,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    TextDelta,
+)
 from ling3_rknn.model import Model
 from ling3_rknn.model.bundle_stages import GraphStages
 from ling3_rknn.tokenizer import Tokenizer
@@ -62,8 +69,8 @@ async def test_serve_bundle_loader_generates_like_the_float_model(paths, monkeyp
     assert len(loaded) == 1 and isinstance(loaded[0].stages, GraphStages)
     with engine:
         got = await generate(engine, 12)
-    ref_engine = Engine(Model.from_hf(hf), Tokenizer.from_file(TOKENIZER), model_id="x",
-                        max_context=2048)
+    ref_engine = Engine(Model.from_hf(hf), Tokenizer.from_file(TOKENIZER),
+                        EngineOptions(model_id="x", max_context=2048))
     with ref_engine:
         expected = await generate(ref_engine, 12)
     assert got == expected and len(got) > 0

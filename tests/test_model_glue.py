@@ -114,8 +114,8 @@ def test_decode_prefill_decode_with_snapshots_matches_literal():
 def test_recurrent_state_value_fold_and_set():
     rng = np.random.default_rng(4)
     s = RecurrentState(rng.standard_normal((2, 4, 3)).astype(F32))
-    s.scale[:] = rng.random((2, 4)).astype(F32)
-    s._unit = False
+    s.decay(0.5 + 0.5 * rng.random((2, 4)).astype(F32))  # the row scales only
+    assert not np.array_equal(s.value(), s.body)
     expect = s.body * s.scale[:, :, None]
     np.testing.assert_allclose(s.value(), expect, rtol=1e-6)
     s.fold()
@@ -335,3 +335,22 @@ def test_rms_norm_eps_sits_inside_the_square_root():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     assert abs(got[0, 0]) == pytest.approx(1 / np.sqrt(2), rel=1e-4)  # not ~1.0
     assert np.all(got[1] == 0)
+
+
+def test_recurrent_state_hands_the_kernel_its_own_buffers():
+    """What the compiled step writes into lands in the state; the state counts the step
+    and flushes a full queue itself."""
+    rng = np.random.default_rng(5)
+    s = RecurrentState(rng.standard_normal((2, 4, 3)).astype(F32))
+    buffers = s.kernel_buffers()
+    assert buffers.body is s.body and buffers.scale is s.scale and buffers.pending == 0
+    assert buffers.keys.shape == (2, s.PENDING, 4) and buffers.deltas.shape == (2, s.PENDING, 3)
+    before = s.value()
+    for step in range(s.PENDING):
+        b = s.kernel_buffers()
+        assert b.pending == step
+        b.keys[:, step] = 1.0  # as kda_decode.c queues one correction
+        b.deltas[:, step] = 0.5
+        s.kernel_step_done()
+    assert s.pending == 0  # the full queue was applied to the body
+    np.testing.assert_allclose(s.value(), before + s.PENDING * 0.5, rtol=1e-5)

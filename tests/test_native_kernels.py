@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from ling3_rknn.model import mla, native
+from ling3_rknn.model import mla, native, native_build
 from ling3_rknn.model.kda import (
     RecurrentState,
     kda_decode,
@@ -52,10 +52,11 @@ needs_kernel = pytest.mark.skipif(not native.available(),
                                   reason="the MLA decode kernel is not built here")
 
 
-@pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+@pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler on this machine")
 def test_kernels_are_built_and_load_where_a_compiler_exists():
+    """conftest.py builds them for the session, as the install step does."""
     assert native.available(), native.status()
-    assert native.status().startswith("compiled (")
+    assert native.status().startswith(f"compiled ({native.library_path()}; ")
 
 
 @needs_kernel
@@ -264,7 +265,7 @@ def test_kda_decode_tokens_match_numpy(heads, d, taps_k, parts):
             assert got is not None and got.shape == want.shape
             assert _close(got, want) < TOL, step
             np.testing.assert_array_equal(compiled_tail, tail)
-            assert compiled._pending == reference._pending
+            assert compiled.pending == reference.pending
     assert folds > 0
     assert _close(compiled.value(), reference.value()) < TOL
 
@@ -278,7 +279,7 @@ def test_kda_decode_leaves_what_it_cannot_take_to_numpy():
     taps = rng.standard_normal((4, 3 * heads * d)).astype(np.float32)
     tail64 = np.zeros((3, 3 * heads * d))  # float64: not the kernel's layout
     assert kda_decode(qkv, tail64, taps, log_decay, beta, state) is None
-    assert state._pending == 0 and not tail64.any()
+    assert state.pending == 0 and not tail64.any()
     native.set_enabled(False)
     try:
         tail = np.zeros((3, 3 * heads * d), np.float32)
@@ -288,90 +289,3 @@ def test_kda_decode_leaves_what_it_cannot_take_to_numpy():
         native.set_enabled(True)
 
 
-@pytest.fixture
-def fresh_loader(monkeypatch, tmp_path):
-    """native's loader as at process start, building into an empty state directory."""
-    monkeypatch.setenv("LING3_RKNN_STATE_DIR", str(tmp_path))
-    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
-    monkeypatch.delenv("LING3_RKNN_NATIVE", raising=False)
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_status", "not loaded yet")
-    return tmp_path
-
-
-def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
-    monkeypatch.setenv("LING3_RKNN_NATIVE", "0")
-    assert not native.available()
-    assert "LING3_RKNN_NATIVE=0" in native.status()
-    assert not (fresh_loader / "native").exists()
-
-
-def test_without_a_compiler_the_glue_stays_on_numpy(fresh_loader, monkeypatch, caplog):
-    monkeypatch.setattr(native, "compiler", lambda: None)
-    assert not native.available()
-    assert "no C compiler" in native.status() and "no C compiler" in caplog.text
-
-
-@pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
-def test_built_once_per_machine_then_loaded(fresh_loader, monkeypatch):
-    assert native.available()
-    built = list((fresh_loader / "native").iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
-    stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_status", "not loaded yet")
-    monkeypatch.setattr(native, "build", lambda cc, target: pytest.fail("built twice"))
-    assert native.available()
-    assert built[0].stat().st_mtime_ns == stamp
-
-
-def test_a_failing_compiler_is_reported_and_leaves_nothing(fresh_loader, monkeypatch,
-                                                           tmp_path_factory):
-    fake = tmp_path_factory.mktemp("bin") / "cc"
-    fake.write_text("#!/bin/sh\necho 'mla_attention.c:1: error: no' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("CC", str(fake))
-    assert not native.available()
-    assert "error: no" in native.status()
-    assert not any((fresh_loader / "native").iterdir())
-
-
-def test_a_library_that_does_not_load_is_reported(fresh_loader, monkeypatch, caplog):
-    target = native.library_path("cc")
-    target.parent.mkdir(parents=True)
-    target.write_bytes(b"not a shared library")
-    monkeypatch.setattr(native, "compiler", lambda: "cc")
-    assert not native.available()
-    assert "not usable" in native.status() and "not usable" in caplog.text
-
-
-def test_a_library_from_other_sources_is_refused(fresh_loader, monkeypatch):
-    class Stale:
-        mla_decode_attend = kda_decode_heads = object()
-
-        @staticmethod
-        def ling3_native_abi() -> int:
-            return native.ABI + 1
-
-    target = native.library_path("cc")
-    target.parent.mkdir(parents=True)
-    target.write_bytes(b"")
-    monkeypatch.setattr(native, "compiler", lambda: "cc")
-    monkeypatch.setattr(native.ctypes, "CDLL", lambda path: Stale())
-    assert not native.available()
-    assert "other sources" in native.status()
-
-
-def test_the_library_name_follows_the_sources(monkeypatch, tmp_path):
-    """An upgrade (changed sources) or another compiler gets its own library."""
-    first = native.library_path("cc")
-    assert native.library_path("clang") != first
-    for name in (*native.SOURCES, *native.HEADERS):
-        (tmp_path / name).write_bytes((native.SOURCE_DIR / name).read_bytes())
-    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path)
-    assert native.library_path("cc") == first
-    with (tmp_path / native.HEADERS[0]).open("a") as f:
-        f.write("\n")
-    assert native.library_path("cc") != first

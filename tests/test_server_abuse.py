@@ -20,6 +20,7 @@ import pytest
 from server_harness import running_server
 
 from ling3_rknn.demo import load_demo_engine
+from ling3_rknn.loading import LoadOptions
 from ling3_rknn.server import AppConfig
 
 MODEL = "ling-3.0-tiny"
@@ -77,7 +78,7 @@ async def health_watch(base: str) -> AsyncIterator[HealthWatch]:
 
 @pytest.fixture(scope="module")
 def demo_engine():
-    engine = load_demo_engine(model_id=MODEL, max_context=4096)
+    engine = load_demo_engine(LoadOptions(model_id=MODEL, max_context=4096))
     yield engine
     engine.close()
 
@@ -491,7 +492,8 @@ async def test_compiled_grammars_are_bounded_in_bytes_and_reported():
     """Distinct large response schemas, one after another: the compiled grammars kept stay
     within the engine's grammar budget, and /metrics reports what they hold."""
     budget = 4 << 20
-    engine = load_demo_engine(model_id=MODEL, max_context=4096, grammar_cache_bytes=budget)
+    engine = load_demo_engine(
+        LoadOptions(model_id=MODEL, max_context=4096, grammar_cache_bytes=budget))
     try:
         before = rss_mb()
         async with running_server(engine) as srv, aiohttp.ClientSession() as session:

@@ -9,6 +9,8 @@ import os
 import pytest
 
 from ling3_rknn import cli
+from ling3_rknn.engine import DEFAULT_MAX_TOKENS, EngineOptions
+from ling3_rknn.loading import DEFAULT_MAX_CONTEXT, DEFAULT_MODEL_ID, LoadOptions, engine_options
 
 
 @pytest.mark.parametrize(
@@ -92,24 +94,40 @@ def test_api_key_rule():
 
 def test_engine_options_only_pass_what_was_given():
     args = cli.build_parser().parse_args(["serve", "--demo", "--cache-bytes", "1M"])
-    assert cli._engine_options(args) == {"cache_bytes": 1024**2}
+    assert cli._engine_options(args) == LoadOptions(cache_bytes=1024**2)
     argv = ["serve", "--demo", "--max-queue", "4", "--max-context", "512", "--model-id", "x"]
     options = cli._engine_options(cli.build_parser().parse_args(argv))
-    assert options == {"max_queue": 4, "max_context": 512, "model_id": "x"}
+    assert options == LoadOptions(max_queue=4, max_context=512, model_id="x")
     for flag, cap in (("4096", 4096), ("0", None)):  # 0: no cap but the context
         args = cli.build_parser().parse_args(["serve", "--default-max-tokens", flag])
-        assert cli._engine_options(args) == {"default_max_tokens": cap}
+        assert cli._engine_options(args) == LoadOptions(default_max_tokens=int(flag))
+        assert engine_options(cli._engine_options(args), 8192).default_max_tokens == cap
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--default-max-tokens", "-1"])
     for flag, size in (("1G", 1024**3), ("0", 0)):
         args = cli.build_parser().parse_args(["serve", "--prefill-scratch", flag])
-        assert cli._engine_options(args) == {"prefill_scratch_bytes": size}
+        assert cli._engine_options(args) == LoadOptions(prefill_scratch_bytes=size)
+
+
+def test_engine_options_keep_the_engines_defaults_where_nothing_was_given():
+    """What neither the flags nor the model say is the engine's own default (issue 27:
+    the options are typed, not a dict of what happened to be set)."""
+    given = engine_options(LoadOptions(), 8192)
+    assert given == EngineOptions(model_id=DEFAULT_MODEL_ID, max_context=8192)
+    assert given.default_max_tokens == DEFAULT_MAX_TOKENS
+    capped = engine_options(LoadOptions(max_context=512, cache_bytes=7), 65536,
+                            generation_config={"eos_token_id": [3, 4], "temperature": 0.5},
+                            weights_identity="w", default_model_id="demo")
+    assert (capped.model_id, capped.max_context, capped.cache_bytes) == ("demo", 512, 7)
+    assert capped.eos_token_ids == (3, 4) and capped.weights_identity == "w"
+    assert capped.generation_defaults.temperature == 0.5
+    assert engine_options(LoadOptions(), 65536).max_context == DEFAULT_MAX_CONTEXT
 
 
 def test_prefill_scratch_reaches_the_model_not_the_engine():
     from ling3_rknn.demo import load_demo_engine
 
-    engine = load_demo_engine(prefill_scratch_bytes=12345)  # Engine() would refuse the key
+    engine = load_demo_engine(LoadOptions(prefill_scratch_bytes=12345))
     try:
         assert engine.model.prefill_scratch_bytes == 12345
     finally:
@@ -119,8 +137,8 @@ def test_prefill_scratch_reaches_the_model_not_the_engine():
 def test_no_model_flag_serves_the_embedded_demo(monkeypatch):
     loaded = {}
 
-    def fake_demo_engine(**options):
-        loaded.update(options)
+    def fake_demo_engine(options=None, *, latent_dtype="float32"):
+        loaded.update(options=options, latent_dtype=latent_dtype)
         return "engine"
 
     monkeypatch.setattr("ling3_rknn.demo.load_demo_engine", fake_demo_engine)
@@ -128,7 +146,7 @@ def test_no_model_flag_serves_the_embedded_demo(monkeypatch):
         loaded.clear()
         args = cli.build_parser().parse_args([*argv, "--max-context", "4096"])
         assert cli.make_loader(args)() == "engine"
-        assert loaded == {"max_context": 4096, "latent_dtype": "float32"}
+        assert loaded == {"options": LoadOptions(max_context=4096), "latent_dtype": "float32"}
     args = cli.build_parser().parse_args(["serve", "--latent-cache", "float16"])
     cli.make_loader(args)()
     assert loaded["latent_dtype"] == "float16"
@@ -146,7 +164,7 @@ def test_max_context_beyond_the_model_is_refused():
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192),
                             prefill_chunk=64)
     with pytest.raises(ValueError, match="max_position_embeddings 8192"):
-        make_engine(model, None, {"max_context": 65536})
+        make_engine(model, None, LoadOptions(max_context=65536))
 
 
 def test_more_threads_than_cores_exits_2_before_loading(capsys):

@@ -22,13 +22,14 @@ import pytest
 from server_harness import running_server
 
 from ling3_rknn.demo import load_demo_engine
+from ling3_rknn.loading import LoadOptions
 
 USER = [{"role": "user", "content": "Write a haiku about the NPU."}]
 
 
 @pytest.fixture
 async def client_and_engine():
-    engine = load_demo_engine(model_id="ling-3.0-tiny", max_context=256)
+    engine = load_demo_engine(LoadOptions(model_id="ling-3.0-tiny", max_context=256))
     try:
         async with running_server(engine) as srv:
             client = openai.AsyncOpenAI(base_url=srv.v1, api_key="none", max_retries=0)

@@ -348,3 +348,23 @@ def test_history_calls_may_keep_the_stream_index():
     parse_chat_request(body(messages=[USER, calls, RESULT_1]))
     bad = {**CALLS, "tool_calls": [{**CALLS["tool_calls"][0], "index": -1}]}
     assert rejected(body(messages=[USER, bad, RESULT_1])).param == "messages[1].tool_calls[0].index"
+
+
+def test_the_validated_messages_travel_on_not_the_raw_body(monkeypatch):
+    """The request carries what the checks returned, never the client's own lists: a check
+    that rewrites a value is honoured, and a later change to the body changes nothing."""
+    import ling3_rknn.server.validate as validate
+    from ling3_rknn.server.json_checks import array
+
+    def tagged(value, path):
+        return {**validate._message(value, path), "checked": path}
+
+    monkeypatch.setitem(validate._TOP_LEVEL, "messages", array(tagged, min_items=1))
+    assert parse_chat_request(body()).messages == [{**USER, "checked": "messages[0]"}]
+    monkeypatch.undo()
+
+    payload = body(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    request = parse_chat_request(payload)
+    payload["messages"][0]["content"][0]["text"] = "changed"
+    payload["messages"].append({"role": "nobody"})
+    assert request.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]

@@ -112,7 +112,8 @@ def tool_schema(name: str, rng: random.Random, canonical: bool = False,
     ``examples``: the names a city description's "e.g." draws from."""
     params = ["city", "day"] if name == "get_forecast" else ["city"]
     if canonical:
-        props = {"city": {"type": "string", "description": "The city name, e.g. Paris"}}
+        props: dict[str, Any] = {
+            "city": {"type": "string", "description": "The city name, e.g. Paris"}}
         if name == "get_forecast":
             props["day"] = {"type": "string", "enum": list(FORECAST_DAYS)}
         function = {"name": name, "description": _DESCRIPTIONS[name][0],
@@ -414,11 +415,11 @@ def _small_talk(rng: random.Random, pools: CityPools) -> tuple[str, str]:
                 f"The capital of {country} is {pools.capitals[country]}.")
     if kind < 0.8:
         city = rng.choice(pools.famous if rng.random() < 0.5 else pools.train)
-        country = pools.countries.get(city)
-        if country:
+        home = pools.countries.get(city)
+        if home:
             return (rng.choice(("Which country is {c} in?", "Where is {c}?",
                                 "In which country is {c}?")).format(c=city),
-                    f"{city} is in {country}.")
+                    f"{city} is in {home}.")
     text = rng.choice(_UNSUPPORTED).format(p=rng.choice(_PEOPLE), c=rng.choice(pools.famous))
     return text, rng.choice(_UNSUPPORTED_ANSWERS)
 

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [asdict(c) for c in make_cases()]
         CASES_FILE.write_text(json.dumps(cases, indent=1, ensure_ascii=False) + "\n")
         return 0
-    from ling3_rknn.loading import make_engine
+    from ling3_rknn.loading import LoadOptions, make_engine
 
     model, tok, generation_config = load_model(args.hf, args.bundle)
     report: dict[str, Any] = {"source": str(args.hf or args.bundle), "wordings": args.wordings,
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.simulate:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ling3-sim-")))
             simulate_stages(model, args.simulate, args.calibration, work, stack)
-        engine = make_engine(model, tok, {"model_id": "eval"},
+        engine = make_engine(model, tok, LoadOptions(model_id="eval"),
                              generation_config=generation_config)
         stack.callback(engine.close)
         modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]

@@ -15,6 +15,8 @@ venv, so this check is not part of ``make test``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -97,7 +99,9 @@ def check(seed: int = 0) -> float:
     weight = torch.randn(b, t, h, d, generator=gen)
     worst = 0.0
     results = []
-    for fn, chunk in ((reference.chunk_kimi_delta_attention, 64), (chunk_kda, 8)):
+    kernels: list[tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], int]] = [
+        (reference.chunk_kimi_delta_attention, 64), (chunk_kda, 8)]
+    for fn, chunk in kernels:
         out, final = fn(*inputs, chunk_size=chunk, initial_state=state,
                         output_final_state=True, use_qk_l2norm_in_kernel=True)
         grads = torch.autograd.grad((out * weight).sum() + final.sum(), [*inputs, state])

@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +124,14 @@ class _UnseenNames(CorpusSampler):
         return self.made_up.name(rng)
 
 
-def validation_sets(plan: Plan, sampler: CorpusSampler, tok: Tokenizer) -> dict:
+class ValidationSets(TypedDict):
+    echo: tuple[torch.Tensor, torch.Tensor]  # collate()'s ids and targets
+    chat: tuple[torch.Tensor, torch.Tensor]
+    arg_value: int
+    arg_end: int
+
+
+def validation_sets(plan: Plan, sampler: CorpusSampler, tok: Tokenizer) -> ValidationSets:
     unseen = _UnseenNames(sampler)
     rng = _rng(plan, "validation")
     echo = [unseen.echo(rng) for _ in range(64)]

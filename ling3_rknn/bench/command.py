@@ -32,9 +32,9 @@ def _load_engine(args: argparse.Namespace) -> Any:
         from ling3_rknn.demo import load_demo_engine
 
         return load_demo_engine()
-    from ling3_rknn.loading import engine_from_bundle
+    from ling3_rknn.loading import LoadOptions, engine_from_bundle
 
-    return engine_from_bundle(args.bundle, {})
+    return engine_from_bundle(args.bundle, LoadOptions())
 
 
 def run_bench(args: argparse.Namespace) -> int:

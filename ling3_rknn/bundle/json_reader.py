@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Literal, overload
 
 from .errors import ManifestError
 
@@ -34,6 +34,12 @@ class JsonReader:
             raise ManifestError(self._key(key), f"expected {_names(types)}, "
                                                 f"got {type(value).__name__}")
         return value
+
+    @overload
+    def obj(self, key: str, optional: Literal[False] = False) -> JsonReader: ...
+
+    @overload
+    def obj(self, key: str, optional: bool) -> JsonReader | None: ...
 
     def obj(self, key: str, optional: bool = False) -> JsonReader | None:
         value = self.get(key, dict, optional)
@@ -85,13 +91,13 @@ ShapeSets = tuple[tuple[tuple[int, ...], ...], ...]
 
 
 def shape_sets_of(value: object, key: str, n_inputs: int) -> ShapeSets:
-    ok = isinstance(value, list) and value and all(
+    if not isinstance(value, list) or not value or not all(
         isinstance(group, list) and len(group) == n_inputs and all(
             isinstance(shape, list) and shape and all(
                 isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
             for shape in group)
-        for group in value)
-    if not ok:
+        for group in value
+    ):
         raise ManifestError(key, f"expected a non-empty list of {n_inputs}-input shape sets "
                                  "of positive integers")
     return tuple(tuple(tuple(shape) for shape in group) for group in value)

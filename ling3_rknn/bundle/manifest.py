@@ -256,8 +256,8 @@ def _parse_manifest(data: object) -> Manifest:
         if rel not in files:
             raise ManifestError(key, f"{rel!r} is not listed in files")
     if manifest.target == "rk3588":
-        for name, s in stages.items():
-            if s.rknn is None:
+        for name, spec in stages.items():
+            if spec.rknn is None:
                 raise ManifestError(f"stages.{name}.rknn", "an rk3588 bundle needs the .rknn")
     if files[manifest.tokenizer].sha256 != manifest.tokenizer_sha256:
         raise ManifestError("tokenizer.sha256", "disagrees with files entry")

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class SegmentLike(Protocol):
+    """What the tokenizer and the engine read of a prompt piece (``Segment`` is one):
+    only ``control`` text may become special tokens."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def control(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)

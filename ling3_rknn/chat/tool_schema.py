@@ -82,13 +82,13 @@ def tool_table(tools: Any) -> dict[str, ToolSpec]:
     for tool in tools or []:
         if not isinstance(tool, dict):
             continue
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        fn = function if isinstance(function := tool.get("function"), dict) else tool
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             continue
-        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-        required = params.get("required") if isinstance(params.get("required"), list) else []
+        params = given if isinstance(given := fn.get("parameters"), dict) else {}
+        props = given if isinstance(given := params.get("properties"), dict) else {}
+        required = given if isinstance(given := params.get("required"), list) else []
         table[name] = ToolSpec(
             name,
             {k: frozenset(json_types(resolve_ref(v, params))) for k, v in props.items()},

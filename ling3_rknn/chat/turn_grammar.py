@@ -163,7 +163,8 @@ class TurnGrammar:
         and if the error stays, it is the client's demand that fails."""
         if part is None:
             strict = _strict_tools(self)
-            lenient = {_function(t).get("name") for t in self.tools} - strict - self.free_tools
+            names = {name for t in self.tools if isinstance(name := _function(t).get("name"), str)}
+            lenient = names - strict - self.free_tools
             if not lenient:
                 return None
             return dataclasses.replace(self, free_tools=self.free_tools | lenient)
@@ -171,7 +172,7 @@ class TurnGrammar:
         if match is None or int(match.group(1)) >= len(self.tools):
             return None
         name = _function(self.tools[int(match.group(1))]).get("name")
-        if name in self.free_tools or name in _strict_tools(self):
+        if not isinstance(name, str) or name in self.free_tools or name in _strict_tools(self):
             return None
         return dataclasses.replace(self, free_tools=self.free_tools | {name})
 

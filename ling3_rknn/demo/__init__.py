@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ling3_rknn.engine import Engine
+    from ling3_rknn.loading import LoadOptions
 
 DEMO_MODEL_ID = "ling-3.0-tiny-demo"
 
@@ -25,9 +29,11 @@ def bundle_dir() -> Path:
     return Path(str(resources.files(__name__).joinpath("bundle")))
 
 
-def load_demo_engine(*, latent_dtype: str = "float32", **options: Any) -> Any:
-    """An ``Engine`` serving the demo bundle; ``options`` go to the Engine constructor."""
-    from ling3_rknn.loading import engine_from_bundle
+def load_demo_engine(options: LoadOptions | None = None, *,
+                     latent_dtype: str = "float32") -> Engine:
+    """An ``Engine`` serving the demo bundle, loaded as ``serve --bundle`` loads one
+    (``options``: serve's flags, ``loading.LoadOptions``)."""
+    from ling3_rknn.loading import LoadOptions, engine_from_bundle
 
-    return engine_from_bundle(bundle_dir(), options, default_model_id=DEMO_MODEL_ID,
-                              latent_dtype=latent_dtype)
+    return engine_from_bundle(bundle_dir(), options or LoadOptions(),
+                              default_model_id=DEMO_MODEL_ID, latent_dtype=latent_dtype)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ling3_rknn.bundle import PLACEHOLDER_MAGIC, Bundle, BundleError
+from ling3_rknn.bundle import PLACEHOLDER_MAGIC, Bundle, BundleError, VerifyMode
 from ling3_rknn.doctor.report import Check
 
 NPU_WINDOW_BYTES = 4 << 30  # RKNNLite models share one ~4 GB address window
@@ -61,7 +61,7 @@ def toolkit_version(bundle: Bundle) -> str | None:
 def open_bundle(path: Path, quick: bool, full: bool = False) -> tuple[Bundle | None, Check]:
     """The bundle verified by size (``quick``), by its remembered sha256 stamp, or hashed
     anew (``full``)."""
-    verify = "full" if full else "size" if quick else "stamped"
+    verify: VerifyMode = "full" if full else "size" if quick else "stamped"
     try:
         bundle = Bundle.open(path, verify=verify)
     except BundleError as exc:
@@ -116,10 +116,11 @@ def load_graphs(bundle: Bundle, rknnlite_cls: type, on_board: bool, runs: int | 
                 tail: dict[str, float] = {}
                 row: dict[str, Any] = {"core": core, "median_ms": timed, "p90_ms": tail}
                 dtype = np.float16 if spec.input_dtype == "float16" else np.float32
-                for group in spec.shape_sets if runs else ():
+                calls = runs or 0
+                for group in spec.shape_sets if calls else ():
                     rng = np.random.default_rng(0)
                     feeds = [rng.normal(size=s).astype(dtype) for s in group]
-                    med, p90 = latency(ex.run, feeds, runs)
+                    med, p90 = latency(ex.run, feeds, calls)
                     timed[f"T={group[0][1]}"] = round(med, 4)
                     tail[f"T={group[0][1]}"] = round(p90, 4)
             finally:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from importlib import metadata
+from pathlib import Path
 
 from ling3_rknn.doctor.report import Check
 from ling3_rknn.doctor.sysfs import SysRoot
-from ling3_rknn.model import native
+from ling3_rknn.model import native, native_build
 
 MEMINFO = "proc/meminfo"
 
@@ -46,15 +48,19 @@ def runtime_packages() -> Check:
 
 
 def decode_kernels() -> Check:
-    """The decode glue's compiled kernels, built on the machine at the first load: without
-    a C compiler the glue runs its numpy path, which is correct but slower."""
+    """Which decode glue runs: the compiled kernels this install built (``ling3-rknn
+    build-kernels``), with their path and instruction set, or numpy and why (correct,
+    slower). doctor only looks: building is the install's job, never the service's."""
     detail = native.status()
     if native.available():
-        return Check("decode kernels", "ok", detail)
-    if os.environ.get("LING3_RKNN_NATIVE") == "0":
+        return Check("decode kernels", "ok", detail, data={"library": str(native.library_path())})
+    if os.environ.get(native.NATIVE_ENV) == "0":
         return Check("decode kernels", "skip", detail)
+    build = f"{Path(sys.prefix) / 'bin' / 'ling3-rknn'} build-kernels"
+    if native_build.compiler() is None:
+        build = f"sudo apt install gcc && {build}"
     return Check("decode kernels", "warn", detail,
-                 fix="sudo apt install gcc  # the next start builds them (about a second)")
+                 fix=f"{build}  # as the user that installed the venv; then restart the service")
 
 
 def meminfo(sys: SysRoot) -> dict[str, int]:

@@ -19,9 +19,12 @@ from .api import (
     TurnParser,
 )
 from .engine import Engine
+from .options import DEFAULT_MAX_TOKENS, EngineOptions
+from .protocols import ModelLike, TokenizerLike
 from .sampler import LING3_GENERATION_DEFAULTS, defaults_from_generation_config
 
 __all__ = [
+    "DEFAULT_MAX_TOKENS",
     "LING3_GENERATION_DEFAULTS",
     "Admitted",
     "ContextLengthExceeded",
@@ -29,6 +32,7 @@ __all__ = [
     "EngineBusy",
     "EngineError",
     "EngineFailure",
+    "EngineOptions",
     "EngineProtocol",
     "EngineShutDown",
     "EngineStats",
@@ -36,8 +40,10 @@ __all__ = [
     "GenerationEvent",
     "GenerationRequest",
     "InvalidRequest",
+    "ModelLike",
     "SamplingParams",
     "TextDelta",
+    "TokenizerLike",
     "TurnParser",
     "Usage",
     "defaults_from_generation_config",

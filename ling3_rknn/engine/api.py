@@ -16,16 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ling3_rknn.chat.events import GenerationEvent, ParseEvent
-
-
-class SegmentLike(Protocol):
-    """A piece of rendered prompt; only ``control`` text may become special tokens."""
-
-    @property
-    def text(self) -> str: ...
-
-    @property
-    def control(self) -> bool: ...
+from ling3_rknn.chat.segments import SegmentLike
 
 
 @dataclass(frozen=True)
@@ -49,6 +40,12 @@ class TurnParser(Protocol):
 
     def finish(self) -> Sequence[ParseEvent]: ...
 
+    @property
+    def reasoning_done(self) -> bool:
+        """The reasoning block is over (or the turn has none): what follows is the answer.
+        The engine counts the tokens fed before that as reasoning tokens."""
+        ...
+
     def history_text(self) -> str | None:
         """After ``finish()``: the text the template renders for this turn when a client
         sends it back, or None when it would not reproduce the generation prompt."""
@@ -61,6 +58,13 @@ class GrammarText(Protocol):
     @property
     def lark(self) -> str: ...
 
+    @property
+    def bounds(self) -> Mapping[str, Mapping[str, int]]:
+        """Tool name -> {parameter: the length bound (tokens) the budget gave its string
+        values}; empty without a budget. The engine reports a value cut there as a
+        truncated answer."""
+        ...
+
     def part_at_line(self, line: int) -> str | None: ...
 
 
@@ -68,11 +72,25 @@ class GrammarSource(Protocol):
     """What one turn must look like (``chat.TurnGrammar``); the engine supplies the token
     ids of the format's markers and compiles the text against its tokenizer."""
 
-    def lark(self, token_ids: Mapping[str, int]) -> GrammarText: ...
+    def lark(self, token_ids: Mapping[str, int]) -> GrammarText:
+        """Raises ``chat.GrammarError`` (a ValueError naming the request part) for a shape
+        the grammar cannot express."""
+        ...
 
-    # Optional (``chat.TurnGrammar`` has both): ``trigger``, the marker whose sampling
-    # enters a lazy grammar (None: it holds from the first token), and
-    # ``with_budget(tokens)``, the grammar for an answer of at most that many tokens.
+    @property
+    def trigger(self) -> str | None:
+        """The marker whose sampling enters a lazy grammar; None: the grammar holds from
+        the answer's first token."""
+        ...
+
+    def with_budget(self, tokens: int) -> GrammarSource:
+        """This grammar for an answer of at most ``tokens`` tokens."""
+        ...
+
+    def relaxed(self, part: str | None) -> GrammarSource | None:
+        """This grammar with the request part the constraint library refused left free,
+        where the client did not demand it; None: the refusal is the request's 400."""
+        ...
 
 
 @dataclass(frozen=True)

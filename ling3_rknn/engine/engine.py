@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,75 +29,44 @@ from .api import (
     EngineShutDown,
     EngineStats,
     GenerationRequest,
+    GrammarSource,
     InvalidRequest,
-    SamplingParams,
     SegmentLike,
 )
 from .call_guard import BanRows, LazyCalls, MarkerBan
-from .grammar_constraint import DEFAULT_GRAMMAR_CACHE_BYTES, GrammarCompiler
+from .grammar_constraint import GrammarCompiler, TokenConstraint
+from .options import EngineOptions
 from .prefix_cache import PrefixCache
 from .prompt_encoder import PromptEncoder
-from .runner import Counters, Job, ModelLike, Runner, RunnerOptions, TokenizerLike
-from .sampler import LING3_GENERATION_DEFAULTS, resolve_settings
+from .protocols import ModelLike, TokenizerLike
+from .runner import Counters, Job, Runner, RunnerOptions
+from .sampler import resolve_settings
 from .snapshot_store import SnapshotStore, model_fingerprint
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CACHE_BYTES = 2 << 30  # 2 GiB: ~100 snapshots of the real model's ~20 MB state
-# Output tokens of a request that names no max_tokens (``serve --default-max-tokens``): at
-# ~20 tokens/s on the board, a runaway answer holds the single stream ~3.5 minutes instead
-# of the ~27 a 32K context would take (README, "Serving").
-DEFAULT_MAX_TOKENS = 4096
 
 
 class Engine:
     """Implements ``EngineProtocol`` on a model and a tokenizer."""
 
     def __init__(
-        self,
-        model: ModelLike,
-        tokenizer: TokenizerLike,
-        *,
-        model_id: str,
-        max_context: int,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_disk_bytes: int | None = None,
-        weights_identity: str | None = None,
-        generation_defaults: SamplingParams = LING3_GENERATION_DEFAULTS,
-        max_queue: int = 16,
-        prefill_chunk: int = 64,
-        checkpoint_min_tokens: int = 64,
-        snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
-        eos_token_ids: Sequence[int] = (),
-        grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
-        default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        self, model: ModelLike[Any], tokenizer: TokenizerLike, options: EngineOptions
     ) -> None:
-        if max_context < 2:
-            raise ValueError("max_context must be at least 2")
-        if default_max_tokens is not None and default_max_tokens < 1:
-            raise ValueError("default_max_tokens must be at least 1 (None: no cap)")
-        if max_queue < 1:
-            raise ValueError("max_queue must be at least 1")
-        if prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be at least 1")
-        self.model_id = model_id
-        self.max_context = max_context
-        self._defaults = generation_defaults
+        self.model_id = options.model_id
+        self.max_context = options.max_context
+        self._defaults = options.generation_defaults
         # A request without max_tokens gets this cap: one runaway answer would otherwise
         # hold the single-stream device until the context is full (README, "Serving").
-        self.default_max_tokens = default_max_tokens
-        self._max_queue = max_queue
+        self.default_max_tokens = options.default_max_tokens
+        self._max_queue = options.max_queue
         self._tokenizer = tokenizer
         self._encoder = PromptEncoder(tokenizer, _eos_text(tokenizer))
-        self._cache = self._build_cache(
-            model, cache_bytes, cache_dir, cache_disk_bytes, weights_identity, snapshot_from_arrays
-        )
+        self._cache = self._build_cache(model, options)
         if self._cache is not None:  # turns generated before a restart still splice
             for path, note in self._cache.notes():
                 self._encoder.restore_note(note, path)
         self._counters = Counters()
-        self._grammars = GrammarCompiler(tokenizer, cache_bytes=grammar_cache_bytes)
+        self._grammars = GrammarCompiler(tokenizer, cache_bytes=options.grammar_cache_bytes)
         self._grammars.prepare()
         self._ban_rows = BanRows()
         self._runner = Runner(
@@ -107,8 +75,9 @@ class Engine:
             self._encoder,
             self._cache,
             self._counters,
-            RunnerOptions(max_context, prefill_chunk, checkpoint_min_tokens,
-                          tuple(int(t) for t in eos_token_ids)),
+            RunnerOptions(options.max_context, options.prefill_chunk,
+                          options.checkpoint_min_tokens,
+                          tuple(int(t) for t in options.eos_token_ids)),
         )
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._admission = threading.Condition()
@@ -120,32 +89,24 @@ class Engine:
         self._worker.start()
 
     @staticmethod
-    def _build_cache(
-        model: ModelLike,
-        cache_bytes: int,
-        cache_dir: str | os.PathLike[str] | None,
-        cache_disk_bytes: int | None,
-        weights_identity: str | None,
-        snapshot_from_arrays: Callable[[Mapping[str, np.ndarray]], Any] | None,
-    ) -> PrefixCache | None:
-        if cache_bytes <= 0:
+    def _build_cache(model: ModelLike[Any], options: EngineOptions) -> PrefixCache | None:
+        if options.cache_bytes <= 0:
             return None
-        if cache_dir is None:
-            return PrefixCache(cache_bytes)
-        if snapshot_from_arrays is None:
-            snapshot_from_arrays = _model_snapshot_reader(model)
-        if weights_identity is None:
-            weights_identity = probe_identity(model)
-        latent = getattr(model, "latent_dtype", "float32")
+        if options.cache_dir is None:
+            return PrefixCache(options.cache_bytes)
+        identity = options.weights_identity
+        if identity is None:
+            identity = probe_identity(model)
+        latent = model.latent_dtype
         if latent != "float32":  # its snapshots are another model's: a store of their own
-            weights_identity += f"; latent cache {latent}"
-        store = SnapshotStore(cache_dir, model_fingerprint(model.config, weights_identity))
+            identity += f"; latent cache {latent}"
+        store = SnapshotStore(options.cache_dir, model_fingerprint(model.config, identity))
         return PrefixCache(
-            cache_bytes,
+            options.cache_bytes,
             store=store,
-            to_arrays=lambda snap: snap.to_arrays(),
-            from_arrays=snapshot_from_arrays,
-            max_disk_bytes=cache_disk_bytes,
+            to_arrays=lambda snap: snap.blocked_arrays(),  # frozen latent blocks as they are
+            from_arrays=model.snapshot_from_arrays,
+            max_disk_bytes=options.cache_disk_bytes,
         )
 
     # -- EngineProtocol ------------------------------------------------------------
@@ -217,9 +178,10 @@ class Engine:
             wanted = request.max_tokens if request.max_tokens is not None else (
                 self.default_max_tokens)
             budget = room if wanted is None else min(wanted, room)
-            constraint = None
+            constraint: TokenConstraint | LazyCalls | MarkerBan | None = None
             if request.grammar is not None:
-                constraint = await asyncio.to_thread(self._constraint, request, budget)
+                constraint = await asyncio.to_thread(
+                    self._constraint, request.grammar, request.banned_markers, budget)
             elif request.banned_markers:
                 constraint = MarkerBan(self._ban_rows, self._marker_ids(request.banned_markers))
             loop = asyncio.get_running_loop()
@@ -260,25 +222,24 @@ class Engine:
         (a token is at most ``max_token_bytes`` long, so N characters are at least
         N / max_token_bytes tokens): a 15 MB prompt costs a sum of lengths, not a minute
         of BPE and gigabytes of ids."""
-        longest = getattr(self._tokenizer, "max_token_bytes", None)
-        if not longest:
+        longest = self._tokenizer.max_token_bytes
+        if longest < 1:
             return
         floor = -(-sum(len(seg.text) for seg in prompt) // longest)
         if floor >= self.max_context:
             raise ContextLengthExceeded(floor, self.max_context, at_least=True)
 
-    def _constraint(self, request: GenerationRequest, budget: int) -> Any:
-        """The request's per-token constraint (worker-thread objects, built off the loop):
+    def _constraint(
+        self, request_grammar: GrammarSource, banned_markers: Sequence[str], budget: int
+    ) -> TokenConstraint | LazyCalls | MarkerBan:
+        """A request's per-token constraint (worker-thread objects, built off the loop):
         its grammar for ``budget`` tokens, entered at its trigger when it is lazy."""
-        grammar = request.grammar
-        with_budget = getattr(grammar, "with_budget", None)
-        if with_budget is not None:
-            grammar = with_budget(budget)
-        trigger = getattr(grammar, "trigger", None)
+        grammar = request_grammar.with_budget(budget)
+        trigger = grammar.trigger
         if trigger is None:
             return self._grammars.compile(grammar)
-        ban = MarkerBan(self._ban_rows, self._marker_ids(request.banned_markers))
-        trigger_id = self._tokenizer_ids().get(trigger)
+        ban = MarkerBan(self._ban_rows, self._marker_ids(banned_markers))
+        trigger_id = self._tokenizer.special_ids.get(trigger)
         try:
             if trigger_id is None:
                 raise InvalidRequest(f"{trigger} is not a token of this model")
@@ -289,11 +250,8 @@ class Engine:
             return ban
         return LazyCalls(compiled, int(trigger_id), ban)
 
-    def _tokenizer_ids(self) -> Mapping[str, int]:
-        return getattr(self._tokenizer, "special_ids", None) or {}
-
     def _marker_ids(self, spellings: Sequence[str]) -> list[int]:
-        ids = self._tokenizer_ids()
+        ids = self._tokenizer.special_ids
         return [int(ids[m]) for m in spellings if m in ids]
 
     def encode_prompt(self, segments: Sequence[SegmentLike]) -> list[int]:
@@ -371,7 +329,7 @@ class Engine:
                     self._admission.notify_all()
 
 
-def probe_identity(model: ModelLike, probe_tokens: int = 8) -> str:
+def probe_identity(model: ModelLike[Any], probe_tokens: int = 8) -> str:
     """Identity of the weights when the caller gives none (e.g. no bundle manifest hash):
     a digest of the logits of a fixed probe sequence. Two checkpoints with the same config
     but different weights must never share persisted snapshots; this tells them apart for
@@ -390,15 +348,3 @@ def _eos_text(tokenizer: TokenizerLike) -> str:
         return markers.ROLE_END
     return text or markers.ROLE_END
 
-
-def _model_snapshot_reader(model: ModelLike) -> Callable[[Mapping[str, np.ndarray]], Any]:
-    """The model's own snapshot reader (``Model.snapshot_from_arrays``: its config and
-    latent-cache dtype), else ``StateSnapshot.from_arrays`` for its config (imported lazily
-    so the engine can be unit-tested with a scripted model double)."""
-    reader = getattr(model, "snapshot_from_arrays", None)
-    if reader is not None:
-        return reader
-    from ling3_rknn.model import StateSnapshot
-
-    config = model.config
-    return lambda arrays: StateSnapshot.from_arrays(config, arrays)

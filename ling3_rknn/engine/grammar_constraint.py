@@ -22,14 +22,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import llguidance
 import numpy as np
 
 from ling3_rknn.chat import markers
+from ling3_rknn.chat.turn_grammar import GrammarError
 
-from .api import GrammarSource, InvalidRequest
+from .api import GrammarSource, GrammarText, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ class GrammarTokenizer(Protocol):
 
     @property
     def forbidden_ids(self) -> frozenset[int]: ...
-
-    def library_json(self) -> str: ...
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
@@ -109,7 +108,7 @@ class GrammarCompiler:
     it while the model loads rather than stalling the server on the first constrained
     request."""
 
-    def __init__(self, tokenizer: Any, cached_grammars: int = 16,
+    def __init__(self, tokenizer: GrammarTokenizer, cached_grammars: int = 16,
                  cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
@@ -133,8 +132,6 @@ class GrammarCompiler:
         """Build llguidance's view of the tokenizer now, where the tokenizer allows it. A
         tokenizer llguidance cannot read is logged; constrained requests then get the 400
         from ``compile``, and the server still serves the rest."""
-        if getattr(self._tokenizer, "library_json", None) is None:
-            return
         try:
             self._ll_tokenizer()
         except InvalidRequest as exc:  # the message says what llguidance could not read
@@ -145,13 +142,6 @@ class GrammarCompiler:
             if self._ll is None:
                 if self._unreadable is not None:
                     raise InvalidRequest(self._unreadable)
-                library_json = getattr(self._tokenizer, "library_json", None)
-                if library_json is None:
-                    raise InvalidRequest(
-                        "constrained decoding (tool_choice required or named, "
-                        "parallel_tool_calls false, response_format) is not available with "
-                        "this engine's tokenizer"
-                    )
                 try:
                     self._ll = llguidance.LLTokenizer(
                         llguidance.TokenizerWrapper(_TextOnlyTokenizer(self._tokenizer)),
@@ -174,6 +164,7 @@ class GrammarCompiler:
             start = self._compiled.get(key)
             if start is not None:
                 self._compiled.move_to_end(key)
+        grammar = source
         while start is None:
             matcher = llguidance.LLMatcher(ll, text.lark, log_level=0)
             if not matcher.is_error():
@@ -182,19 +173,18 @@ class GrammarCompiler:
             error = _invalid(matcher.get_error(), text)
             # A tool whose schema is not the client's demand (a lenient one of an "auto"
             # turn) gets free arguments instead of failing the request (docs/serving.md 9).
-            relaxed = getattr(source, "relaxed", None)
-            source = relaxed(error.param) if relaxed is not None else None
-            if source is None:
+            relaxed = grammar.relaxed(error.param)
+            if relaxed is None:
                 raise error
-            text = self._text(source)
+            grammar = relaxed
+            text = self._text(grammar)
         self._keep(key, start)
         return TokenConstraint(start.deep_copy(), ll.vocab_size, self._value_bound(text))
 
-    def _value_bound(self, text: Any) -> ValueBound | None:
+    def _value_bound(self, text: GrammarText) -> ValueBound | None:
         """How to tell that a budget bound cut a string value (``chat.GrammarText.bounds``):
         the smallest bound and the ids that open and close a value."""
-        bounds = [b for per_tool in (getattr(text, "bounds", None) or {}).values()
-                  for b in per_tool.values()]
+        bounds = [b for per_tool in text.bounds.values() for b in per_tool.values()]
         ids = self._tokenizer.special_ids
         if not bounds or markers.ARG_VALUE_OPEN not in ids or markers.ARG_VALUE_CLOSE not in ids:
             return None
@@ -218,14 +208,16 @@ class GrammarCompiler:
                 old, _ = self._compiled.popitem(last=False)
                 self.bytes_held -= grammar_charge(old)
 
-    def _text(self, source: GrammarSource) -> Any:
+    def _text(self, source: GrammarSource) -> GrammarText:
         try:
             return source.lark(self._tokenizer.special_ids)
-        except ValueError as exc:  # chat.GrammarError: a shape the grammar cannot express
-            raise InvalidRequest(str(exc), getattr(exc, "part", None)) from exc
+        except GrammarError as exc:  # a shape the grammar cannot express, and where
+            raise InvalidRequest(str(exc), exc.part) from exc
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
 
 
-def _invalid(error: str, text: Any) -> InvalidRequest:
+def _invalid(error: str, text: GrammarText) -> InvalidRequest:
     """llguidance's error (first line) as a 400 naming the request part its grammar line
     came from, where the error has a line."""
     first = error.strip().splitlines()[0] if error.strip() else "the grammar is invalid"

@@ -46,12 +46,11 @@ class ParsedTurn:
         # count a call that follows the reasoning as reasoning; the parser knows better. The
         # delta that closes the block counts when it holds </think>, not when the block
         # ended at a <tool_call> (which belongs to the call).
-        was_open = not self._answering and not getattr(self._parser, "reasoning_done", False)
+        was_open = not self._answering and not self._parser.reasoning_done
         seen = self._tail + delta.text  # </think> may be split across deltas
         self._tail = seen[-(len(THINK_CLOSE) - 1):]
         events = self._track(self._parser.feed(delta.text))
-        if was_open and (not getattr(self._parser, "reasoning_done", False)
-                         or THINK_CLOSE in seen):
+        if was_open and (not self._parser.reasoning_done or THINK_CLOSE in seen):
             self._tokens += len(delta.token_ids)
         return events
 

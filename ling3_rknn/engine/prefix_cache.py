@@ -15,31 +15,24 @@ plus each shared block once across the whole cache; otherwise it is charged ``nb
 everything it references (an upper bound). Eviction is LRU among leaves first: an entry
 whose node has children in the trie is a prefix shared by longer conversations (typically
 the system and tools header), so it goes only after every leaf below it. With a
-``SnapshotStore`` every snapshot is also written to disk by a background thread; an entry
-evicted from memory stays indexed as disk-only and is read back (and verified) when a
-request needs it.
+``SnapshotStore`` the cache owns a ``DiskTier`` (engine/disk_tier.py) that writes every
+snapshot to disk in the background; an entry evicted from memory stays indexed as
+disk-only and is read back (and verified) when a request needs it. Which entry stays
+where is decided here, by the same LRU order for both budgets.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .disk_tier import DiskTier, FromArrays, ToArrays
 from .prefix_trie import TrieNode, entries_on_path, insert_node, prune
-from .snapshot_store import SnapshotFileError, SnapshotStore, StoredSnapshot
-
-log = logging.getLogger(__name__)
-
-ToArrays = Callable[[Any], Mapping[str, np.ndarray]]
-FromArrays = Callable[[Mapping[str, np.ndarray]], Any]
-
-_WRITE_QUEUE = 4  # pending disk writes; beyond this a snapshot stays memory-only
+from .snapshot_store import SnapshotStore, StoredSnapshot
 
 
 @dataclass(frozen=True)
@@ -121,9 +114,6 @@ class PrefixCache:
             raise ValueError("a snapshot store needs to_arrays and from_arrays")
         self.max_bytes = max_bytes
         self.max_disk_bytes = max_disk_bytes if max_disk_bytes is not None else 4 * max_bytes
-        self._store = store
-        self._to_arrays = to_arrays
-        self._from_arrays = from_arrays
         self._lock = threading.RLock()
         self._root = TrieNode((), None, 0)
         self._entries: set[_Entry] = set()
@@ -132,23 +122,19 @@ class PrefixCache:
         # Blocks several snapshots reference (the MLA latent prefix): id -> [refs, block].
         # Holding the block keeps its id from being reused while it is counted.
         self._shared: dict[int, list[Any]] = {}
-        self._disk_bytes = 0
-        self._block_refs: dict[str, list[int]] = {}  # block hash -> [files using it, bytes]
         self._lookups = 0
         self._hits = 0
-        self._disk_errors = 0
-        self._writes: queue.Queue[
-            tuple[_Entry, tuple[int, ...], np.ndarray, Any, str] | None
-        ] = queue.Queue(maxsize=_WRITE_QUEUE)
-        self._writer: threading.Thread | None = None
-        self._sync_writes = not background_writes
+        self._disk: DiskTier | None = None
         if store is not None:
-            self._index_store(store)
-            if background_writes:
-                self._writer = threading.Thread(
-                    target=self._write_loop, name="prefix-cache-writer", daemon=True
-                )
-                self._writer.start()
+            assert to_arrays is not None and from_arrays is not None
+            self._disk = DiskTier(
+                store,
+                to_arrays=to_arrays,
+                from_arrays=from_arrays,
+                max_bytes=self.max_disk_bytes,
+                background_writes=background_writes,
+            )
+            self._index(self._disk)
 
     # -- public --------------------------------------------------------------------
 
@@ -191,7 +177,7 @@ class PrefixCache:
             self._touch(entry)
             self._evict_memory(keep=entry)
             persist = (
-                self._store is not None
+                self._disk is not None
                 and entry.stored is None
                 and not entry.writing
                 and entry in self._entries
@@ -199,11 +185,12 @@ class PrefixCache:
             if persist:
                 entry.writing = True
         if persist:
-            self._persist(entry, key, row, snapshot, entry.note)
+            self._persist(entry, key, row, snapshot)
         return True
 
     def counters(self) -> CacheCounters:
         with self._lock:
+            disk = self._disk
             return CacheCounters(
                 lookups=self._lookups,
                 hits=self._hits,
@@ -211,8 +198,8 @@ class PrefixCache:
                 resident_entries=sum(1 for e in self._entries if e.resident),
                 bytes_held=self._bytes,
                 disk_entries=sum(1 for e in self._entries if e.stored is not None),
-                disk_bytes=self._disk_bytes,
-                disk_errors=self._disk_errors,
+                disk_bytes=disk.nbytes if disk is not None else 0,
+                disk_errors=disk.errors if disk is not None else 0,
             )
 
     def notes(self) -> list[tuple[tuple[int, ...], str]]:
@@ -227,15 +214,13 @@ class PrefixCache:
 
     def flush(self) -> None:
         """Wait until every queued disk write has finished."""
-        if self._writer is not None:
-            self._writes.join()
+        if self._disk is not None:
+            self._disk.flush()
 
     def close(self) -> None:
         """Finish pending writes and stop the writer thread."""
-        if self._writer is not None:
-            self._writes.put(None)
-            self._writer.join()
-            self._writer = None
+        if self._disk is not None:
+            self._disk.close()
 
     # -- trie ----------------------------------------------------------------------
 
@@ -294,7 +279,8 @@ class PrefixCache:
                 self._remove(victim)
 
     def _evict_disk(self) -> None:
-        while self._disk_bytes > self.max_disk_bytes:
+        disk = self._disk
+        while disk is not None and disk.over_budget:
             candidates = [e for e in self._entries if e.stored is not None]
             if not candidates:
                 return
@@ -304,135 +290,67 @@ class PrefixCache:
                 self._remove(victim)
 
     def _drop_file(self, entry: _Entry) -> None:
-        """Delete an entry's file and release the blocks it referenced."""
-        stored = entry.stored
-        if stored is None or self._store is None:
-            return
-        self._store.delete(stored)
-        self._disk_bytes -= stored.nbytes
-        entry.stored = None
-        for digest in stored.blocks:
-            ref = self._block_refs.get(digest)
-            if ref is None:
-                continue
-            ref[0] -= 1
-            if ref[0] == 0:
-                del self._block_refs[digest]
-                self._store.delete_block(digest)
-                self._disk_bytes -= ref[1]
-
-    def _attach_file(self, entry: _Entry, stored: StoredSnapshot) -> None:
-        """Account a file (and each block once) to an entry."""
-        assert self._store is not None
-        entry.stored = stored
-        self._disk_bytes += stored.nbytes
-        for digest in stored.blocks:
-            ref = self._block_refs.get(digest)
-            if ref is not None:
-                ref[0] += 1
-            else:
-                size = self._store.block_nbytes(digest)
-                self._block_refs[digest] = [1, size]
-                self._disk_bytes += size
-
-    def _discard_unattached(self, stored: StoredSnapshot) -> None:
-        """Delete a written file no entry will own, and its blocks nobody else uses."""
-        assert self._store is not None
-        self._store.delete(stored)
-        for digest in stored.blocks:
-            if digest not in self._block_refs:
-                self._store.delete_block(digest)
+        """Delete an entry's file (and the blocks only it referenced)."""
+        if entry.stored is not None and self._disk is not None:
+            self._disk.drop(entry.stored)
+            entry.stored = None
 
     # -- persistence -----------------------------------------------------------------
 
-    def _index_store(self, store: SnapshotStore) -> None:
-        for stored in store.scan():
+    def _index(self, disk: DiskTier) -> None:
+        """Disk-only entries for every file already in the store."""
+        for stored in disk.index():
             node = insert_node(self._root, stored.tokens)
             if node.entry is not None:  # two files for one path: keep one
-                store.delete(stored)
+                disk.drop(stored)
                 continue
             entry = node.entry = _Entry(node)
             entry.note = stored.note
+            entry.stored = stored
             self._entries.add(entry)
-            self._attach_file(entry, stored)
         self._evict_disk()
 
     def _load(self, entry: _Entry) -> bool:
         """Bring a disk-only entry into memory; on any failure forget it and its file."""
-        assert self._store is not None and self._from_arrays is not None
-        stored = entry.stored
-        if stored is None:
+        if entry.stored is None or self._disk is None:
             return False
-        try:
-            loaded = self._store.load(stored)
-            snapshot = self._from_arrays(loaded.state)
-        except SnapshotFileError:
-            self._disk_errors += 1
-            self._drop_file(entry)  # the store already deleted the file itself
+        loaded = self._disk.load(entry.stored)
+        if loaded is None:  # the tier dropped the file
+            entry.stored = None
             self._remove(entry)
             return False
-        except Exception as exc:  # the model rejected the arrays (shapes, dtypes)
-            log.warning("prefix cache: snapshot %s rejected by the model: %s", stored.path, exc)
-            self._disk_errors += 1
-            self._drop_file(entry)
-            self._remove(entry)
-            return False
-        self._make_resident(entry, snapshot, np.asarray(loaded.logits, dtype=np.float32))
+        snapshot, logits = loaded
+        self._make_resident(entry, snapshot, logits)
         self._evict_memory(keep=entry)
         return True
 
     def _persist(
-        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any, note: str
+        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any
     ) -> None:
-        """Queue a disk write. Snapshots are immutable, so the (possibly large) export to
-        arrays happens on the writer thread, off the request path."""
-        item = (entry, key, row, snapshot, note)
-        if self._sync_writes:
-            self._write_one(*item)
-            return
-        try:
-            self._writes.put_nowait(item)
-        except queue.Full:
-            log.info("prefix cache: disk writer busy; snapshot kept in memory only")
+        """Hand a snapshot to the disk tier. Snapshots are immutable, so the export to
+        arrays happens on the tier's writer thread, off the request path."""
+        assert self._disk is not None
+        queued = self._disk.write(
+            key, row, snapshot, entry.note, lambda stored: self._written(entry, stored)
+        )
+        if not queued:
             with self._lock:
                 entry.writing = False
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._writes.get()
-            try:
-                if item is None:
-                    return
-                self._write_one(*item)
-            finally:
-                self._writes.task_done()
-
-    def _write_one(
-        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any, note: str
-    ) -> None:
-        assert self._store is not None and self._to_arrays is not None
-        try:
-            stored = self._store.write(key, row, self._to_arrays(snapshot), note)
-        except Exception as exc:  # disk full, permissions, export: stays memory-only
-            log.warning("prefix cache: cannot write snapshot: %s", exc)
-            stored = None
+    def _written(self, entry: _Entry, stored: StoredSnapshot | None) -> None:
+        """A write finished: attach the file to its entry if the entry is still held,
+        else delete it; an entry left neither in memory nor on disk is forgotten."""
         with self._lock:
             entry.writing = False
-            if stored is None:
-                if not entry.resident and entry in self._entries:
-                    self._remove(entry)
-                return
-            if entry not in self._entries:  # evicted while being written
-                self._discard_unattached(stored)
-                return
-            # A block found on disk while writing may have been released since then.
-            if any(
-                d not in self._block_refs and not self._store.block_exists(d)
-                for d in stored.blocks
-            ):
-                self._discard_unattached(stored)
-                if not entry.resident:
-                    self._remove(entry)
-                return
-            self._attach_file(entry, stored)
-            self._evict_disk()
+            disk = self._disk
+            assert disk is not None
+            if stored is not None:
+                if entry not in self._entries:  # evicted while being written
+                    disk.discard(stored)
+                    return
+                if disk.attach(stored):
+                    entry.stored = stored
+                    self._evict_disk()
+                    return
+            if not entry.resident and entry in self._entries:
+                self._remove(entry)

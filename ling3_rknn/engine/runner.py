@@ -17,13 +17,12 @@ continues and that turn evaluates only its own new tokens.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Generic
 
 import numpy as np
 
@@ -35,45 +34,11 @@ from .grammar_constraint import TokenConstraint
 from .parsed_turn import ParsedTurn
 from .prefix_cache import PrefixCache
 from .prompt_encoder import EncodedPrompt, PromptEncoder, Transcript
+from .protocols import ModelLike, StateT, TokenizerLike
 from .sampler import Sampler, SamplerSettings
 from .stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
-
-
-class StateLike(Protocol):
-    length: int
-
-    def snapshot(self) -> Any: ...
-
-    def restore(self, snapshot: Any) -> None: ...
-
-
-class ModelLike(Protocol):
-    """What the engine needs from ``ling3_rknn.model.Model``."""
-
-    config: Any
-
-    def new_state(self) -> Any: ...
-
-    def forward(self, token_ids: Sequence[int], state: Any) -> np.ndarray: ...
-
-
-class StreamDecoderLike(Protocol):
-    def feed(self, token_id: int) -> str: ...
-
-    def finish(self) -> str: ...
-
-
-class TokenizerLike(Protocol):
-    @property
-    def eos_id(self) -> int: ...
-
-    def encode_segments(self, segments: Sequence[Any]) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-    def stream_decoder(self) -> StreamDecoderLike: ...
 
 
 @dataclass
@@ -132,12 +97,12 @@ class RunnerOptions:
     eos_token_ids: tuple[int, ...] = ()  # the generation config's end-of-sequence ids
 
 
-class Runner:
+class Runner(Generic[StateT]):
     """Owns the model and its one live state; runs jobs one at a time."""
 
     def __init__(
         self,
-        model: ModelLike,
+        model: ModelLike[StateT],
         tokenizer: TokenizerLike,
         encoder: PromptEncoder,
         cache: PrefixCache | None,
@@ -152,35 +117,27 @@ class Runner:
         self._options = options
         self._vocab = int(model.config.vocab_size)
         self._eos_id = int(tokenizer.eos_id)
-        config_eos = getattr(model.config, "eos_token_ids", None)
-        if config_eos is None:
-            single = getattr(model.config, "eos_token_id", None)
-            config_eos = () if single is None else (single,)
         # Generation ends on the tokenizer's end of turn, every eos id of the model config
         # and of the generation config, and any special token outside the answer grammar.
         self._stop_ids = frozenset({
-            self._eos_id, *(int(t) for t in config_eos), *options.eos_token_ids,
-            *getattr(tokenizer, "turn_ending_ids", ()),
+            self._eos_id, *(int(t) for t in model.config.eos_token_ids),
+            *options.eos_token_ids, *tokenizer.turn_ending_ids,
         })
-        self._sample_limit = min(self._vocab, _tokenizer_vocab(tokenizer, self._vocab))
-        self._last_only = "last_only" in inspect.signature(model.forward).parameters
+        # Ids the tokenizer can decode; the model's padding rows beyond it are never sampled.
+        self._sample_limit = min(self._vocab, int(tokenizer.vocab_size))
         self._state = model.new_state()
         self._empty = self._state.snapshot()
 
     # -- model calls ---------------------------------------------------------------
 
     @property
-    def model(self) -> ModelLike:
+    def model(self) -> ModelLike[StateT]:
         return self._model
 
     def _forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits row after the last of ``ids``; a model error becomes EngineFailure."""
         try:
-            if self._last_only:
-                out = self._model.forward(ids, self._state, last_only=True)
-            else:
-                out = self._model.forward(ids, self._state)
-            return out[-1]
+            return self._model.forward(ids, self._state, last_only=True)[-1]
         except Exception as exc:
             self._recover()
             raise EngineFailure(f"model failure: {type(exc).__name__}: {exc}") from exc
@@ -437,8 +394,3 @@ def _history_form(turn: ParsedTurn, text: str) -> str:
         return text
     return text if canonical is None else canonical
 
-
-def _tokenizer_vocab(tokenizer: Any, fallback: int) -> int:
-    """Ids the tokenizer can decode; the model's padding rows beyond it are never sampled."""
-    size = getattr(tokenizer, "vocab_size", None)
-    return int(size) if isinstance(size, int) and size > 0 else fallback

@@ -78,24 +78,26 @@ def defaults_from_generation_config(config: Mapping[str, Any]) -> SamplingParams
 REPETITION_PENALTY = (0.01, 100.0)
 
 
+def _first(value: float | None, default: float | None, fallback: float) -> float:
+    """The request's knob, else the default's, else the sampler's neutral value."""
+    if value is not None:
+        return value
+    return fallback if default is None else default
+
+
 def resolve_settings(request: SamplingParams, defaults: SamplingParams) -> SamplerSettings:
     """Merge a request's knobs over the defaults and validate every value."""
 
-    def pick(name: str, fallback: Any) -> Any:
-        value = getattr(request, name)
-        if value is None:
-            value = getattr(defaults, name)
-        return fallback if value is None else value
-
+    r, d = request, defaults
     s = SamplerSettings(
-        temperature=float(pick("temperature", 1.0)),
-        top_k=int(pick("top_k", 0)),
-        top_p=float(pick("top_p", 1.0)),
-        min_p=float(pick("min_p", 0.0)),
-        repetition_penalty=float(pick("repetition_penalty", 1.0)),
-        presence_penalty=float(pick("presence_penalty", 0.0)),
-        frequency_penalty=float(pick("frequency_penalty", 0.0)),
-        seed=request.seed if request.seed is not None else defaults.seed,
+        temperature=float(_first(r.temperature, d.temperature, 1.0)),
+        top_k=int(_first(r.top_k, d.top_k, 0)),
+        top_p=float(_first(r.top_p, d.top_p, 1.0)),
+        min_p=float(_first(r.min_p, d.min_p, 0.0)),
+        repetition_penalty=float(_first(r.repetition_penalty, d.repetition_penalty, 1.0)),
+        presence_penalty=float(_first(r.presence_penalty, d.presence_penalty, 0.0)),
+        frequency_penalty=float(_first(r.frequency_penalty, d.frequency_penalty, 0.0)),
+        seed=r.seed if r.seed is not None else d.seed,
     )
     low, high = REPETITION_PENALTY
     checks = [

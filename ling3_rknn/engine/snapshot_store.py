@@ -4,10 +4,13 @@ Each file holds the token path, the last logits row and the model state arrays, 
 its metadata the format version, the identity (fingerprint) of the model the state
 belongs to and a SHA-256 over every array. Files are written to a temporary name, synced
 and renamed, so a crash leaves either the old set or the new file, never half a file.
-Per-token arrays (the MLA latent cache, exported as ``*.latent`` [tokens, width]) are
-split into 256-row blocks stored once under ``blocks/`` by content hash: a conversation's
-successive snapshots share their prefix blocks on disk as they do in memory, so a turn
-at 12K tokens writes ~20 MB of new state instead of the whole 180 MB latent again.
+A per-token array the snapshot hands over as ``RowBlocks`` (the MLA latent cache,
+model/snapshot_arrays.py) keeps its frozen blocks: each is stored once under ``blocks/``
+by content hash and only the partial block goes into the file, so a conversation's
+successive snapshots share their prefix blocks on disk as they do in memory, and a turn
+at 12K tokens writes ~20 MB of new state instead of the whole 180 MB latent again. A
+block this process has already hashed is known by identity (``KnownBlocks``): it is not
+hashed again, and reading it back gives the array already in memory.
 At start-up only headers and token paths are read (the index); arrays are read and their
 checksums verified when a request first needs them. Anything that fails a check (not
 safetensors, truncated, foreign fingerprint, wrong checksum, wrong shapes) is deleted.
@@ -32,6 +35,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from ling3_rknn.model.snapshot_arrays import RowBlocks, SnapshotArrays
+
+from .known_blocks import KnownBlocks
+
 log = logging.getLogger(__name__)
 
 FORMAT = "ling3-rknn-prefix-snapshot/1"
@@ -42,8 +49,6 @@ _LOGITS = "logits"
 _STATE_PREFIX = "state."
 _BLOCKS_DIR = "blocks"
 _BLOCK_SUFFIX = ".blk"
-BLOCK_ROWS = 256  # rows per content-addressed block of a per-token array
-_CHUNKED_SUFFIX = ".latent"  # per-token (append-only) arrays, named so by the model
 
 
 class SnapshotFileError(Exception):
@@ -76,7 +81,7 @@ def arrays_checksum(arrays: Mapping[str, np.ndarray]) -> str:
         a = np.asarray(arrays[name], order="C")
         h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
         if a.size:  # memoryview cannot cast an empty array
-            h.update(memoryview(a).cast("B"))
+            h.update(a.data.cast("B"))
     return h.hexdigest()
 
 
@@ -87,9 +92,10 @@ def _note_checksum(note: str, tokens: tuple[int, ...]) -> str:
     return h.hexdigest()
 
 
-def _block_hash(a: np.ndarray) -> str:
+def block_hash(a: np.ndarray) -> str:
+    """A block's content hash (its file name): dtype, shape and bytes."""
     h = hashlib.sha256(f"{a.dtype.str}|{a.shape}|".encode())
-    h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    h.update(np.ascontiguousarray(a).data.cast("B"))
     return h.hexdigest()
 
 
@@ -114,7 +120,7 @@ class StoredSnapshot:
 class LoadedSnapshot:
     tokens: tuple[int, ...]
     logits: np.ndarray
-    state: dict[str, np.ndarray]
+    state: dict[str, np.ndarray | RowBlocks]  # the arrays as they were handed to ``write``
 
 
 class SnapshotStore:
@@ -124,6 +130,7 @@ class SnapshotStore:
         self.directory = Path(directory)
         self.fingerprint = fingerprint
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._known = KnownBlocks(block_hash)
 
     def path_for(self, tokens: tuple[int, ...]) -> Path:
         digest = hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()
@@ -154,7 +161,7 @@ class SnapshotStore:
         self,
         tokens: tuple[int, ...],
         logits: np.ndarray,
-        state: Mapping[str, np.ndarray],
+        state: SnapshotArrays,
         note: str = "",
     ) -> StoredSnapshot:
         """Write one snapshot atomically; returns its index entry."""
@@ -164,15 +171,11 @@ class SnapshotStore:
         }
         blocks: dict[str, dict[str, Any]] = {}
         for name, value in state.items():
-            a = np.asarray(value, order="C")
-            if name.endswith(_CHUNKED_SUFFIX) and a.ndim == 2 and a.shape[0] >= BLOCK_ROWS:
-                full = a.shape[0] // BLOCK_ROWS * BLOCK_ROWS
-                hashes = [
-                    self._write_block(a[i : i + BLOCK_ROWS]) for i in range(0, full, BLOCK_ROWS)
-                ]
-                blocks[name] = {"dtype": a.dtype.str, "cols": a.shape[1], "hashes": hashes}
-                a = a[full:]
-            arrays[_STATE_PREFIX + name] = a
+            if isinstance(value, RowBlocks):
+                if value.frozen:
+                    blocks[name] = self._write_blocks(name, value)
+                value = value.partial
+            arrays[_STATE_PREFIX + name] = np.asarray(value, order="C")
         if blocks:
             self._sync_directory(self.blocks_directory)
         blocks_json = json.dumps(blocks, sort_keys=True)
@@ -202,9 +205,19 @@ class SnapshotStore:
         digests = tuple(h for spec in blocks.values() for h in spec["hashes"])
         return StoredSnapshot(final, tuple(tokens), final.stat().st_size, note, digests)
 
+    def _write_blocks(self, name: str, value: RowBlocks) -> dict[str, Any]:
+        """Store an array's frozen blocks; returns their entry in the ``blocks`` metadata."""
+        first = value.frozen[0]
+        if first.ndim != 2 or any(
+            b.dtype != first.dtype or b.shape[1:] != first.shape[1:] for b in value.frozen
+        ):
+            raise ValueError(f"the blocks of {name!r} are not 2-D with one dtype and width")
+        hashes = [self._write_block(b) for b in value.frozen]
+        return {"dtype": first.dtype.str, "cols": first.shape[1], "hashes": hashes}
+
     def _write_block(self, rows: np.ndarray) -> str:
         """Store one block under its content hash (once); returns the hash."""
-        digest = _block_hash(rows)
+        digest = self._known.digest(rows)
         final = self.block_path(digest)
         if final.is_file():
             return digest
@@ -215,7 +228,7 @@ class SnapshotStore:
         # snapshot, while syncing hundreds of blocks per write would cost seconds.
         try:
             with open(tmp, "wb") as f:
-                f.write(memoryview(np.ascontiguousarray(rows)).cast("B"))
+                f.write(np.ascontiguousarray(rows).data.cast("B"))
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -319,41 +332,48 @@ class SnapshotStore:
         blocks = _parse_blocks(meta)
         if _file_checksum(arrays, meta.get("blocks", "")) != meta["checksum"]:
             raise SnapshotFileError("checksum mismatch")
-        for name, spec in blocks.items():
-            key = _STATE_PREFIX + name
-            if key not in arrays:
-                raise SnapshotFileError(f"no tail array for {name}")
-            parts = [self._read_block(h, spec) for h in spec["hashes"]]
-            arrays[key] = np.concatenate([*parts, arrays[key]], axis=0)
         tokens = tuple(int(t) for t in arrays.pop(_TOKENS))
         if tokens != entry.tokens:
             raise SnapshotFileError("token path changed since start-up")
         logits = arrays.pop(_LOGITS)
         if logits.ndim != 1:
             raise SnapshotFileError("bad logits row")
-        state = {
+        state: dict[str, np.ndarray | RowBlocks] = {
             name[len(_STATE_PREFIX) :]: value
             for name, value in arrays.items()
             if name.startswith(_STATE_PREFIX)
         }
+        for name, spec in blocks.items():
+            partial = arrays.get(_STATE_PREFIX + name)
+            if partial is None:
+                raise SnapshotFileError(f"no tail array for {name}")
+            frozen = tuple(self._read_block(h, spec) for h in spec["hashes"])
+            state[name] = RowBlocks(frozen, partial)
         return LoadedSnapshot(tokens, logits, state)
 
     def _read_block(self, digest: str, spec: Mapping[str, Any]) -> np.ndarray:
+        """A verified, read-only block: the array already in memory when this process
+        knows it (its file must still exist), else read from its file and hashed."""
         path = self.block_path(digest)
+        dtype, cols = np.dtype(spec["dtype"]), int(spec["cols"])
+        known = self._known.array(digest)
+        if known is not None and known.dtype == dtype and known.shape[1:] == (cols,):
+            if not path.is_file():
+                raise SnapshotFileError(f"block {digest[:12]} is missing")
+            return known
         try:
             data = path.read_bytes()
         except OSError as exc:
             raise SnapshotFileError(f"block {digest[:12]} unreadable: {exc}") from exc
-        try:
-            rows = np.frombuffer(data, dtype=np.dtype(spec["dtype"])).reshape(
-                BLOCK_ROWS, int(spec["cols"])
-            )
+        try:  # the rows per block are the file's size: the hash covers the shape
+            rows = np.frombuffer(data, dtype=dtype).reshape(-1, cols)
         except (ValueError, TypeError) as exc:
             path.unlink(missing_ok=True)
             raise SnapshotFileError(f"block {digest[:12]} has the wrong size") from exc
-        if _block_hash(rows) != digest:
+        if block_hash(rows) != digest:
             path.unlink(missing_ok=True)
             raise SnapshotFileError(f"block {digest[:12]} is corrupt")
+        self._known.remember(digest, rows)
         return rows
 
     def delete(self, entry: StoredSnapshot) -> None:

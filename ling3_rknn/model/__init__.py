@@ -15,8 +15,10 @@ Three layers of code, so the NPU work can be swapped in without touching the CPU
    3.4x fewer FLOPs, from projected rows kept only through the prefill), ``moe.py``
    (group-limited routing), ``state.py`` (per-sequence state and block-shared snapshots).
    A decode token's KDA step and MLA attention, and a prefill chunk's MLA attention, also
-   exist as C kernels (``kda_decode.c``, ``mla_attention.c``) that ``native.py`` builds on
-   the machine and loads; the numpy functions stay the reference and the fallback.
+   exist as C kernels (``kda_decode.c``, ``mla_attention.c``; their ABI declared once in
+   ``native_abi.h``) that ``native_build.py`` compiles when the package is installed
+   (``ling3-rknn build-kernels``) and ``native.py`` loads; the numpy functions stay the
+   reference and the fallback.
 3. ``model.py``: the forward loop. It calls the stages through the ``StageBackend`` seam
    (``backend.py``: ``NumpyStages`` from a checkpoint; ``bundle_stages.GraphStages``, one
    NPU / onnxruntime graph per stage, from a bundle) and the routed experts through the

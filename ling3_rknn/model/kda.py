@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import Executor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -69,6 +70,17 @@ def prepare_qkv(
     return qk[:, :num_heads], qk[:, num_heads:], v
 
 
+class KernelBuffers(NamedTuple):
+    """A ``RecurrentState``'s arrays as the compiled decode step takes them: S =
+    diag(scale) (body + keys^T deltas) with ``pending`` entries of the queue in use."""
+
+    body: np.ndarray  # [H, d_k, d_v]
+    scale: np.ndarray  # [H, d_k]
+    keys: np.ndarray  # [H, PENDING, d_k]
+    deltas: np.ndarray  # [H, PENDING, d_v]
+    pending: int
+
+
 class RecurrentState:
     """One layer's KDA state S [H, d_k, d_v], float32, kept as S = diag(scale) (body + U D).
 
@@ -103,6 +115,34 @@ class RecurrentState:
     @classmethod
     def zeros(cls, shape: tuple[int, int, int]) -> RecurrentState:
         return cls(np.zeros(shape, dtype=np.float32))
+
+    def kernel_buffers(self) -> KernelBuffers:
+        """The arrays a compiled decode step (``kda_decode.c``) reads and updates in place,
+        in the deferred form above. After the kernel has run, ``kernel_step_done`` records
+        what it did, so the state's own bookkeeping stays here."""
+        return KernelBuffers(self.body, self.scale, self._keys, self._deltas, self._pending)
+
+    def kernel_step_done(self) -> None:
+        """A compiled step decayed the row scales and queued one correction into the
+        buffers of ``kernel_buffers``: count it, and flush a full queue."""
+        self._unit = False
+        self._pending += 1
+        if self._pending == self.PENDING:
+            self.flush()
+
+    def decay(self, factor: np.ndarray) -> None:
+        """S <- diag(factor) S for factor [H, d_k]: only the row scales change; rows that
+        decayed below ``FOLD_BELOW`` are folded into the body."""
+        scale = self.scale
+        scale *= factor
+        self._unit = False
+        if scale.min() < self.FOLD_BELOW:
+            self.fold_small_rows()
+
+    @property
+    def pending(self) -> int:
+        """Corrections queued and not yet applied to the body."""
+        return self._pending
 
     def flush(self) -> None:
         """Apply the queued rank-r correction to the body (in place)."""
@@ -200,11 +240,7 @@ def kda_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.nda
     decay = np.exp(log_decay)
     qk_dot = np.einsum("thd,thd->th", q, k)[:, :, None]  # [T, H, 1]
     for t in range(t_len):
-        scale = state.scale
-        scale *= decay[t]
-        state._unit = False
-        if scale.min() < RecurrentState.FOLD_BELOW:
-            state.fold_small_rows()
+        state.decay(decay[t])
         out[t] = state.read_and_queue(k[t], q[t], v[t], beta[t], qk_dot[t])
     return out
 
@@ -317,9 +353,10 @@ def kda_decode(qkv: np.ndarray, tail: np.ndarray, taps: np.ndarray, log_decay: n
     ``tail`` updated in place), ``prepare_qkv`` and ``kda_recurrent`` in one call per share
     of the heads. Returns [1, H, d_v], or None (nothing touched) when the kernel is not
     available; the numpy functions are the reference it is tested against."""
+    buffers = state.kernel_buffers()
     call = native.kda_decode_call(
-        qkv[0], tail, taps, log_decay[0], beta[0], state.body, state.scale, state._keys,
-        state._deltas, state._pending, RecurrentState.FOLD_BELOW,
+        qkv[0], tail, taps, log_decay[0], beta[0], buffers.body, buffers.scale, buffers.keys,
+        buffers.deltas, buffers.pending, RecurrentState.FOLD_BELOW,
         RecurrentState.FOLD_ROWS_BELOW)
     if call is None:
         return None
@@ -332,10 +369,7 @@ def kda_decode(qkv: np.ndarray, tail: np.ndarray, taps: np.ndarray, log_decay: n
         call.run(bounds[0], bounds[1])
         for f in futures:
             f.result()
-    state._unit = False
-    state._pending += 1
-    if state._pending == state.PENDING:
-        state.flush()
+    state.kernel_step_done()
     return call.out[None]
 
 

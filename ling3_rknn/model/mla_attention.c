@@ -22,7 +22,7 @@
 #include "native_vec.h"
 
 #define HEADS VF_LANES /* Ling-3.0-tiny's 16 heads: the vectorised path; others generic */
-#define GROUP 64 /* rows scored before their context is accumulated: ~147 KB, in L2 */
+#define GROUP LING3_MLA_GROUP /* rows scored before their context is accumulated */
 
 #if defined(__AVX512F__)
 #define ROWS 8 /* scores: rows sharing each query load (accumulators: ROWS x 16 floats) */
@@ -257,11 +257,11 @@ int mla_decode_attend(const float *qT, int heads, int d, int r, const void *cons
  * softmax state lives in registers' worth of lanes, and nothing of size rows x columns is
  * ever written. Tiles are independent: callers split them over threads with no merge.
  *
- * Writes the normalised context ctxT [tiles][r][16]. scratch: TILE_BLOCK * (GROUP + 2 + 1)
- * * 16 + TILE_BLOCK * 16 floats, plus GROUP * stride with `half`.
+ * Writes the normalised context ctxT [tiles][r][16]. scratch: TILE_BLOCK * (GROUP + 2) * 16
+ * + 2 * 16 floats, plus GROUP * stride with `half` (native_abi.h).
  * Returns 0; -1 if there is no row; -2 for a float16 cache this build cannot read.
  */
-#define TILE_BLOCK 4 /* tiles sharing each group of rows: 4 x 32 KB of context + the rows */
+#define TILE_BLOCK LING3_MLA_TILE_BLOCK /* tiles sharing each group of rows */
 
 int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int d, int r,
                        int score_offset, const void *const *blocks, const int64_t *lengths,
@@ -324,5 +324,3 @@ int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int 
     }
     return 0;
 }
-
-int ling3_native_abi(void) { return LING3_NATIVE_ABI; }

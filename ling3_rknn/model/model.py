@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from .memory import return_freed_memory
 from .mla import apply_rope, mla_attention, rope_angles
 from .mla_expanded import PREFILL_SCRATCH_BYTES, expanded_attention
 from .moe import ExpertBackend, NumpyExperts, route
+from .snapshot_arrays import SnapshotArrays
 from .stages import LayerOutput
 from .state import (
     SequenceState,
@@ -76,7 +77,7 @@ class Model:
         self.prefill_scratch_bytes = PREFILL_SCRATCH_BYTES
         # share a decode token's KDA heads over the glue threads (off: measured slower here)
         self.kda_decode_split = os.environ.get(KDA_DECODE_SPLIT_ENV, "0") == "1"
-        native.available()  # load (or build, once per machine) the decode kernels now
+        native.available()  # load the installed decode kernels now; logs which glue runs
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike[str], *, threads: int | None = None,
@@ -136,7 +137,7 @@ class Model:
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, self.latent_dtype)
 
-    def snapshot_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> StateSnapshot:
+    def snapshot_from_arrays(self, arrays: SnapshotArrays) -> StateSnapshot:
         """``StateSnapshot.from_arrays`` for this model's states (config and latent dtype)."""
         return StateSnapshot.from_arrays(self.config, arrays, self.latent_dtype)
 
@@ -248,8 +249,10 @@ class Model:
 
     def _moe(self, i: int, out: LayerOutput) -> np.ndarray:
         c = self.config
+        moe_input, router_logits = out.moe_input, out.router_logits
+        assert moe_input is not None and router_logits is not None  # what makes it MoE
         ids, weights = route(
-            out.router_logits,
+            router_logits,
             self.cpu.expert_bias[i],
             n_group=c.n_group,
             topk_group=c.topk_group,
@@ -257,7 +260,7 @@ class Model:
             normalize=c.norm_topk_prob,
             scaling=c.routed_scaling_factor,
         )
-        return out.hidden + out.shared + self.experts(i, out.moe_input, ids, weights)
+        return out.hidden + out.shared + self.experts(i, moe_input, ids, weights)
 
     def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(token_ids)

@@ -1,119 +1,72 @@
-"""The compiled glue kernels (``mla_attention.c``, ``kda_decode.c``), built and loaded here.
+"""The compiled glue kernels (``mla_attention.c``, ``kda_decode.c``), loaded here.
 
-The C sources ship with the package; the first model load on a machine compiles them with
-its C compiler for that machine (``-march=native``, as llama.cpp builds by default: the
-host's AVX-512 or AVX2, the RK3588's NEON with fp16 and dot products) into the state
-directory (``ling3_rknn.paths``; ``/var/lib/ling3-rknn`` under the systemd unit), named by a
-hash of the sources, the flags and the CPU, so a later start loads it in milliseconds and
-an upgrade or another CPU builds its own. Without a compiler, or with
-``LING3_RKNN_NATIVE=0``, ``mla.py`` and ``kda.py`` stay on their numpy paths, which are also
-the reference the tests hold the kernels to; ``ling3-rknn doctor`` says which is in use.
-
-ctypes rather than a CPython extension: the kernels need no Python API, so no Python
-headers on the board, and ctypes releases the GIL during a call, which the glue's split
-threads rely on.
+They are built when the package is installed (``ling3-rknn build-kernels``, run by ``make
+venv`` and the board guide's install step: ``native_build.py``), for that machine's CPU,
+into the install's kernel directory. Loading only opens that library: it checks the
+manifest beside it (the same sources, the same CPU), the ABI version compiled into it,
+and binds the functions ``native_abi.h`` declares; it never runs a compiler. The first
+model load logs which glue runs (the library, its path and instruction set, or numpy and
+why), and ``ling3-rknn doctor`` says the same. Without a usable library, or with
+``LING3_RKNN_NATIVE=0``, ``mla.py`` and ``kda.py`` stay on their numpy paths, which are
+also the reference the tests hold the kernels to.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..paths import state_directory
+from .native_abi import abi
+from .native_build import LIBRARY, MANIFEST, Manifest, kernel_directory
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).parent
-SOURCES = ("mla_attention.c", "kda_decode.c")
-HEADERS = ("native_vec.h",)
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared")
-BUILD_TIMEOUT_S = 300
-ABI = 3  # LING3_NATIVE_ABI in native_vec.h: a library built from other sources is refused
-_MLA_GROUP = 64  # mla_attention.c's GROUP: rows scored together
-_MLA_SCRATCH_ROWS = _MLA_GROUP + 2  # its scratch per head: a group's scores, maxes, factors
-_LANES = 16  # mla_attention.c's HEADS: query columns per prefill tile (the vector lanes)
-_TILE_BLOCK = 4  # mla_attention.c's TILE_BLOCK: prefill tiles sharing a group of rows
+NATIVE_ENV = "LING3_RKNN_NATIVE"  # "0": the numpy glue, whatever is installed
+ABI = abi().version
+_MLA_GROUP = abi().constants["LING3_MLA_GROUP"]  # rows scored together
+_MLA_SCRATCH_ROWS = _MLA_GROUP + 2  # the decode kernel's scratch per head (native_abi.h)
+_LANES = abi().constants["LING3_LANES"]  # query columns per prefill tile (the vector lanes)
+_TILE_BLOCK = abi().constants["LING3_MLA_TILE_BLOCK"]  # prefill tiles sharing a row group
 
 _library: Any = None  # the ctypes library, once loaded
 _loaded = False
 _enabled = True
 _status = "not loaded yet"
+_FIX = "to build them: `ling3-rknn build-kernels` in this venv, with a C compiler"
 
 
-def compiler() -> str | None:
-    """The C compiler: ``$CC``, else ``cc``, if it is on PATH."""
-    return shutil.which(os.environ.get("CC", "cc"))
+def library_path() -> Path:
+    """Where the installed library is looked for."""
+    return kernel_directory() / LIBRARY
 
 
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
+def _open(path: Path) -> tuple[Any, str] | str:
+    """The bound library and its status line, or why it cannot be used."""
+    manifest_path = path.with_name(MANIFEST)
+    if not path.exists() or not manifest_path.exists():
+        return f"not built: no {LIBRARY} in {path.parent}"
     try:
-        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    keep = ("model name", "flags", "Features", "CPU part", "CPU implementer")
-    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keep}))
-
-
-def library_path(cc: str) -> Path:
-    """Where the library for these sources, this compiler and this CPU lives."""
-    digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update((SOURCE_DIR / name).read_bytes())
-    for part in (cc, *CFLAGS, platform.machine(), _cpu_identity()):
-        digest.update(part.encode() + b"\0")
-    return state_directory() / "native" / f"ling3-native-{digest.hexdigest()[:16]}.so"
-
-
-def build(cc: str, target: Path) -> None:
-    """Compile the kernels into ``target``, written whole or not at all (concurrent builds
-    each write their own temporary file). Raises OSError / CalledProcessError /
-    TimeoutExpired with the compiler's message."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
-    os.close(fd)
+        manifest = Manifest.read(manifest_path)
+    except (OSError, ValueError, TypeError) as exc:
+        return f"{manifest_path} not readable ({exc})"
+    problem = manifest.mismatch()
+    if problem is not None:
+        return f"{path} {problem}"
     try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, *(str(SOURCE_DIR / s) for s in SOURCES), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _find_or_build() -> Path | None:
-    global _status
-    cc = compiler()
-    if cc is None:
-        _status = "no C compiler (cc or $CC) on PATH: decode glue on numpy"
-        return None
-    target = library_path(cc)
-    if target.exists():
-        return target
-    started = time.monotonic()
-    try:
-        build(cc, target)
-    except subprocess.CalledProcessError as exc:
-        _status = f"{cc} failed: {exc.stderr.strip()[-500:]}"
-        return None
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        _status = f"could not build into {target.parent}: {exc}"
-        return None
-    log.info("built the decode kernels for this machine in %.1f s: %s",
-             time.monotonic() - started, target)
-    return target
+        lib = ctypes.CDLL(str(path))
+        found = lib.ling3_native_abi()
+        if found != ABI:  # before any other symbol: older sources may lack newer kernels
+            return f"{path} is from other sources (ABI {found}, want {ABI})"
+        abi().bind(lib)
+    except (OSError, AttributeError) as exc:
+        return f"{path} not usable ({exc})"
+    return lib, f"compiled ({path}; {manifest.isa}; built {manifest.built} by {manifest.compiler})"
 
 
 def _load() -> Any:
@@ -121,38 +74,18 @@ def _load() -> Any:
     if _loaded:
         return _library
     _loaded = True
-    if os.environ.get("LING3_RKNN_NATIVE", "1") == "0":
-        _status = "switched off (LING3_RKNN_NATIVE=0): decode glue on numpy"
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        _status = f"switched off ({NATIVE_ENV}=0): decode glue on numpy"
+        log.info("decode glue: numpy (%s)", _status)
         return None
-    path = _find_or_build()
-    if path is None:
-        log.warning("compiled decode kernels unavailable (%s); using numpy", _status)
+    opened = _open(library_path())
+    if isinstance(opened, str):
+        _status = f"{opened}: decode glue on numpy"
+        log.warning("compiled decode kernels unavailable: %s (%s)", _status, _FIX)
         return None
-    try:
-        lib = ctypes.CDLL(str(path))
-        abi = lib.ling3_native_abi()
-        if abi != ABI:  # before any other symbol: older sources may lack newer kernels
-            _status = f"{path} is from other sources (ABI {abi}, want {ABI})"
-            log.warning("compiled decode kernels: %s; using numpy", _status)
-            return None
-        mla, kda = lib.mla_decode_attend, lib.kda_decode_heads
-        prefill = lib.mla_prefill_attend
-    except (OSError, AttributeError) as exc:
-        _status = f"{path} not usable ({exc})"
-        log.warning("compiled decode kernels %s; using numpy", _status)
-        return None
-    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    mla.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, i64, i32, ptr, ptr, ptr, ptr]
-    mla.restype = i32
-    prefill.argtypes = [ptr, ptr, i32, i32, i32, i32, ptr, ptr, i32, i64, i32, i64, ptr,
-                        ptr]
-    prefill.restype = i32
-    kda.argtypes = [ptr, ptr, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, f32,
-                    f32, ptr, i32, i32, ptr]
-    kda.restype = i32
-    _library = lib
-    _status = f"compiled ({path})"
-    return lib
+    _library, _status = opened
+    log.info("decode glue: %s", _status)
+    return _library
 
 
 def status() -> str:

@@ -15,11 +15,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Bumped with every change to a kernel's signature or meaning: native.py refuses a library
- * whose number differs (one built from older sources), instead of calling it wrongly. */
-#define LING3_NATIVE_ABI 3
+#include "native_abi.h"
 
-#define VF_LANES 16
+#define VF_LANES LING3_LANES
 typedef float vf16 __attribute__((vector_size(VF_LANES * sizeof(float))));
 typedef int32_t vi16 __attribute__((vector_size(VF_LANES * sizeof(int32_t))));
 

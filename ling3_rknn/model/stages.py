@@ -121,6 +121,7 @@ def mla_input_stage(
     q_width = y.shape[1] - kv_lora_rank - rope_dim - num_heads
     q = y[:, :q_width]
     if w.q_b is not None:
+        assert w.q_a_norm is not None  # q_lora's norm and up-projection come together
         q = rms_norm(q, w.q_a_norm, LATENT_NORM_EPS) @ w.q_b.T
     kv = y[:, q_width : q_width + kv_lora_rank + rope_dim]
     q = q.reshape(t, num_heads, qk_head_dim)
@@ -155,6 +156,7 @@ def mla_output_stage(
 ) -> LayerOutput:
     """``ctx`` [T, H, r_kv] is the attention-weighted latent, ``gate`` [T, H] the sigmoid head
     gate; values are W_vb_h ctx_h (the absorbed value up-projection)."""
+    assert w.w_vb is not None  # an MLA layer's output weights always carry it
     attn = np.matmul(ctx.transpose(1, 0, 2), w.w_vb.transpose(0, 2, 1)).transpose(1, 0, 2)
     y = (attn * gate[:, :, None]).reshape(x.shape[0], -1)
     return _output_tail(x, y, w, eps)
@@ -166,8 +168,8 @@ def _output_tail(x: np.ndarray, y: np.ndarray, w: OutputWeights, eps: float) -> 
     u = rms_norm(x + attn_delta, w.post_norm, eps)
     if isinstance(w.ffn, DenseFfnWeights):
         return finish_output(x, (attn_delta, swiglu(u, w.ffn.gate_up, w.ffn.down)))
-    shared = (() if w.ffn.shared_gate_up is None
-              else (swiglu(u, w.ffn.shared_gate_up, w.ffn.shared_down),))
+    gate_up, down = w.ffn.shared_gate_up, w.ffn.shared_down
+    shared = () if gate_up is None or down is None else (swiglu(u, gate_up, down),)
     return finish_output(x, (attn_delta, u, *shared, u @ w.ffn.router.T))
 
 

@@ -20,8 +20,8 @@ import numpy as np
 from ..config import ModelConfig
 from .kda import RecurrentState
 from .mla_expanded import PrefillScratch
+from .snapshot_arrays import BLOCK_TOKENS, RowBlocks, SnapshotArrays, joined, read_only
 
-BLOCK_TOKENS = 256
 # The MLA latent cache is float32, or float16 at half the memory: rows are rounded once when
 # appended (relative error <= 2^-11, below what bf16 inference of the checkpoint keeps),
 # and attention computes in float32 (docs/model.md 5.2).
@@ -114,27 +114,20 @@ class LatentCache:
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) as one array (a copy)."""
         first, last = start // BLOCK_TOKENS, -(-stop // BLOCK_TOKENS)
-        joined = np.concatenate(self.blocks()[first:last]) if stop > start else \
+        span = np.concatenate(self.blocks()[first:last]) if stop > start else \
             np.empty((0, self.width), self.dtype)
-        return joined[start - first * BLOCK_TOKENS: stop - first * BLOCK_TOKENS]
+        return span[start - first * BLOCK_TOKENS: stop - first * BLOCK_TOKENS]
 
-    def snapshot(self) -> LatentSnapshot:
+    def snapshot(self) -> RowBlocks:
+        """The frozen blocks as they are (shared) and a copy of the filled tail rows."""
         partial = self._tail[: self._tail_len].copy()
         partial.setflags(write=False)
-        return LatentSnapshot(self._frozen, partial)
+        return RowBlocks(self._frozen, partial)
 
 
-@dataclass(frozen=True)
-class LatentSnapshot:
-    frozen: tuple[np.ndarray, ...]
-    partial: np.ndarray
-
-    @property
-    def length(self) -> int:
-        return len(self.frozen) * BLOCK_TOKENS + len(self.partial)
-
-    def rows(self) -> np.ndarray:
-        return np.concatenate([*self.frozen, self.partial], axis=0)
+def _latent_key(layer: int) -> str:
+    """The name of an MLA layer's latent cache among a snapshot's arrays (and on disk)."""
+    return f"mla.{layer}.latent"
 
 
 class StateSnapshot:
@@ -151,7 +144,7 @@ class StateSnapshot:
         length: int,
         conv: Mapping[int, np.ndarray],
         recurrent: Mapping[int, np.ndarray],
-        latents: Mapping[int, LatentSnapshot],
+        latents: Mapping[int, RowBlocks],
     ) -> None:
         self.layout = layout
         self.length = length
@@ -175,28 +168,38 @@ class StateSnapshot:
         a cache can charge each one once, keyed by identity)."""
         return tuple(b for s in self._latents.values() for b in s.frozen)
 
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        """Flat arrays for persistence (``np.savez``); ``from_arrays`` reads them back."""
-        arrays: dict[str, np.ndarray] = {"length": np.array(self.length, dtype=np.int64)}
+    def blocked_arrays(self) -> dict[str, np.ndarray | RowBlocks]:
+        """The arrays for a store (the disk cache): each latent cache as its frozen blocks,
+        handed over as they are (not copied), plus its partial block; the KDA states and
+        conv tails as copies. ``from_arrays`` reads them back."""
+        arrays: dict[str, np.ndarray | RowBlocks] = {
+            "length": np.array(self.length, dtype=np.int64)
+        }
         for i in self.layout.kda_layers:
             arrays[f"kda.{i}.conv"] = np.array(self._conv[i])
             arrays[f"kda.{i}.recurrent"] = np.array(self._recurrent[i])
         for i in self.layout.mla_layers:
-            arrays[f"mla.{i}.latent"] = self._latents[i].rows()
+            arrays[_latent_key(i)] = self._latents[i]
         return arrays
 
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """One array per name, each latent cache joined (``np.savez``); ``from_arrays``
+        reads them back."""
+        return joined(self.blocked_arrays())
+
     @classmethod
-    def from_arrays(cls, config: ModelConfig, arrays: Mapping[str, np.ndarray],
+    def from_arrays(cls, config: ModelConfig, arrays: SnapshotArrays,
                     latent_dtype: str = "float32") -> StateSnapshot:
         """Validate untrusted arrays (keys, shapes, dtypes, finiteness) and rebuild a snapshot
-        for a state whose latent cache is ``latent_dtype``."""
+        for a state whose latent cache is ``latent_dtype``. A latent cache may come joined
+        or as ``RowBlocks``, whose frozen blocks are then kept as they are (shared)."""
         layout = StateLayout.from_config(config, latent_dtype)
         expected: dict[str, tuple[int, ...] | None] = {"length": ()}
         for i in layout.kda_layers:
             expected[f"kda.{i}.conv"] = layout.conv_shape
             expected[f"kda.{i}.recurrent"] = layout.recurrent_shape
         for i in layout.mla_layers:
-            expected[f"mla.{i}.latent"] = None  # [length, width], checked below
+            expected[_latent_key(i)] = None  # [length, width], checked below
         missing = sorted(set(expected) - set(arrays))
         extra = sorted(set(arrays) - set(expected))
         if missing or extra:
@@ -210,26 +213,46 @@ class StateSnapshot:
         if length > config.max_position_embeddings:
             raise SnapshotError(f"snapshot length {length} exceeds max_position_embeddings")
         for key, shape in expected.items():
-            if key == "length":
-                continue
-            a = np.asarray(arrays[key])
-            want = shape if shape is not None else (length, layout.latent_width)
-            dtype = "float32" if shape is not None else layout.latent_dtype
-            if a.dtype != dtype or a.shape != want:
-                raise SnapshotError(
-                    f"snapshot array {key!r}: expected {dtype} {list(want)}, "
-                    f"got {a.dtype} {list(a.shape)}"
-                )
-            if not np.isfinite(a).all():
-                raise SnapshotError(f"snapshot array {key!r} contains NaN or infinity")
+            if key != "length" and shape is not None:  # the latent caches: below
+                _check_array(key, np.asarray(arrays[key]), "float32", shape)
         conv = {i: np.array(arrays[f"kda.{i}.conv"]) for i in layout.kda_layers}
         recurrent = {i: np.array(arrays[f"kda.{i}.recurrent"]) for i in layout.kda_layers}
-        latents = {}
-        for i in layout.mla_layers:
-            cache = LatentCache(layout.latent_width, dtype=layout.latent_dtype)
-            cache.append(np.asarray(arrays[f"mla.{i}.latent"]))
-            latents[i] = cache.snapshot()
+        latents = {i: _latent_from(_latent_key(i), arrays[_latent_key(i)], layout, length)
+                    for i in layout.mla_layers}
         return cls(layout, length, conv, recurrent, latents)
+
+
+def _check_array(key: str, a: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
+    if a.dtype != dtype or a.shape != shape:
+        raise SnapshotError(
+            f"snapshot array {key!r}: expected {dtype} {list(shape)}, "
+            f"got {a.dtype} {list(a.shape)}"
+        )
+    if not np.isfinite(a).all():
+        raise SnapshotError(f"snapshot array {key!r} contains NaN or infinity")
+
+
+def _latent_from(
+    key: str, value: np.ndarray | RowBlocks, layout: StateLayout, length: int
+) -> RowBlocks:
+    """A checked latent cache of ``length`` rows: joined rows are cut into fresh blocks,
+    given blocks are kept (each must be one full block)."""
+    width, dtype = layout.latent_width, layout.latent_dtype
+    if not isinstance(value, RowBlocks):
+        _check_array(key, np.asarray(value), dtype, (length, width))
+        cache = LatentCache(width, dtype=dtype)
+        cache.append(np.asarray(value))
+        return cache.snapshot()
+    if value.length != length or len(value.partial) >= BLOCK_TOKENS:
+        raise SnapshotError(
+            f"snapshot array {key!r}: expected {length} rows in blocks of {BLOCK_TOKENS}, "
+            f"got blocks of {[len(b) for b in value.frozen]} + {len(value.partial)} rows"
+        )
+    for n, block in enumerate(value.frozen):
+        _check_array(f"{key}[block {n}]", block, dtype, (BLOCK_TOKENS, width))
+    _check_array(f"{key}[partial]", value.partial, dtype, (len(value.partial), width))
+    return LatentCache(width, tuple(read_only(b) for b in value.frozen), value.partial,
+                       dtype=dtype).snapshot()
 
 
 class SequenceState:

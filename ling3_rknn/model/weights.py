@@ -85,6 +85,8 @@ class CheckpointWeights:
     def mla_input(self, i: int) -> MlaInputWeights:
         c, a = self.cfg, f"model.layers.{i}.attention."
         d, h = c.hidden_size, c.num_attention_heads
+        q_a_norm: np.ndarray | None
+        q_b: np.ndarray | None
         if c.q_lora_rank is not None:
             q = self._t(a + "q_a_proj.weight", c.q_lora_rank, d)
             q_a_norm = self._t(a + "q_a_layernorm.weight", c.q_lora_rank)
@@ -145,6 +147,8 @@ class CheckpointWeights:
     def _moe_stage(self, i: int) -> MoeStageWeights:
         c, m = self.cfg, f"model.layers.{i}.mlp."
         d, n = c.hidden_size, c.shared_intermediate_size
+        gate_up: np.ndarray | None
+        down: np.ndarray | None
         if n:
             s = m + "shared_experts."
             gate_up = np.concatenate(

@@ -157,7 +157,7 @@ class RknnLiteExecutor:
 
     def run(self, *inputs: np.ndarray) -> list[np.ndarray]:
         check_inputs(self.spec, inputs)
-        feeds = [np.ascontiguousarray(x, dtype=self._dtype) for x in inputs]
+        feeds: list[np.ndarray] = [np.ascontiguousarray(x, dtype=self._dtype) for x in inputs]
         fmt = ["nchw"] * len(feeds) if any(x.ndim == 4 for x in feeds) else None
         outputs = self._lite.inference(inputs=feeds, data_format=fmt)
         if outputs is None:

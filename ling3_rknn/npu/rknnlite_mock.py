@@ -136,7 +136,7 @@ class MockRKNNLite:
     def inference(self, inputs: list[np.ndarray], data_type: str | None = None,
                   data_format: str | list[str] | None = None,
                   inputs_pass_through: list[int] | None = None, get_frame_id: bool = False,
-                  reuse_outputs: bool = False) -> list[np.ndarray] | None:
+                  reuse_outputs: bool = False) -> list[Any] | None:
         if self._session is None:
             log.error("Runtime environment is not inited, please call init_runtime first!")
             return None
@@ -151,7 +151,8 @@ class MockRKNNLite:
             log.error("Catch exception when running RKNN model. %s", exc)
             return None
         self._count("inference")
-        result = [np.asarray(o, dtype=np.float32) for o in outputs]
+        # the outputs, then (get_frame_id) the frame id, an int, as RKNNLite returns them
+        result: list[Any] = [np.asarray(o, dtype=np.float32) for o in outputs]
         if get_frame_id:
             result.append(0)
         return result

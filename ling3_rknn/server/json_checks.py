@@ -7,7 +7,7 @@ The request schema in ``validate.py`` is built from these.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 
 class Invalid(Exception):
@@ -22,7 +22,7 @@ class Invalid(Exception):
 Check = Callable[[Any, str], Any]
 
 
-def fail(path: str, message: str) -> None:
+def fail(path: str, message: str) -> NoReturn:
     raise Invalid(f"{path}: {message}" if path else message, path or None)
 
 

@@ -82,9 +82,9 @@ class _EngineCollector(Collector):
             "grammar_cache_entries": (stats.grammar_cache_entries, "Compiled grammars kept."),
         }
         for name, (value, doc) in gauges.items():
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
-            family.add_metric([], float(value))
-            yield family
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+            gauge.add_metric([], float(value))
+            yield gauge
 
 
 def _rate(tokens: int, seconds: float) -> float:

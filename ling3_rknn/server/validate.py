@@ -424,7 +424,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     )
     return ChatRequest(
         model=fields["model"],
-        messages=body["messages"],
+        messages=fields["messages"],
         tools=tools,
         tool_choice=tool_choice,
         forced_tool=forced_tool,

@@ -21,6 +21,8 @@ python3 -m venv .venv
 wheel="$(ls /src/dist/ling3_rknn-*.whl)"
 .venv/bin/pip install --quiet --disable-pip-version-check "$wheel[board]"
 .venv/bin/pip check
+step "install: .venv/bin/ling3-rknn build-kernels (the decode kernels, for this CPU)"
+.venv/bin/ling3-rknn build-kernels
 .venv/bin/python - <<'PY'
 from importlib.metadata import version
 for name in ("ling3-rknn", "rknn-toolkit-lite2", "onnxruntime", "numpy", "tokenizers",

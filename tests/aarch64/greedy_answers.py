@@ -53,7 +53,7 @@ PLAIN = [
 ]
 TOOL_QUESTIONS = ["What's the weather like in Lisbon?", "What time is it in New York?"]
 MAX_TOKENS = 48
-LOAD_TIMEOUT_S = 1800  # emulated, a cold start builds the kernels under qemu
+LOAD_TIMEOUT_S = 1800  # emulated: every instruction of a load goes through qemu
 
 
 def free_port() -> int:

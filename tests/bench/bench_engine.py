@@ -24,20 +24,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from engine_doubles import ScriptedModel  # noqa: E402
 from engine_tiny_model import make_tiny_checkpoint  # noqa: E402
 
 from ling3_rknn.chat.segments import Segment  # noqa: E402
 from ling3_rknn.config import ModelConfig  # noqa: E402
-from ling3_rknn.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from ling3_rknn.engine import Engine, EngineOptions, GenerationRequest, SamplingParams  # noqa: E402
 from ling3_rknn.engine.snapshot_store import SnapshotStore  # noqa: E402
 from ling3_rknn.model import Model, SequenceState, StateSnapshot  # noqa: E402
+from ling3_rknn.model.snapshot_arrays import RowBlocks  # noqa: E402
 from ling3_rknn.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB = 157_184
@@ -79,15 +80,12 @@ def real_config() -> ModelConfig:
     return ModelConfig.from_dict(d)
 
 
-class ZeroCostModel:
+class ZeroCostModel(ScriptedModel):
     """Forward returns the same preallocated row: the engine's own cost is all that's left."""
 
     def __init__(self, row: np.ndarray) -> None:
-        self.config = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=(156895,))
+        super().__init__(VOCAB, lambda history: 0, eos_token_ids=(156895,))
         self._row = row[None, :]
-
-    def new_state(self):
-        return SimpleNamespace(length=0, snapshot=lambda: None, restore=lambda s: None)
 
     def forward(self, token_ids, state, *, last_only: bool = False):
         return self._row
@@ -106,8 +104,8 @@ async def decode_overhead(sampling: SamplingParams, tokens: int) -> float:
             pass
     decodable[list(tok.special_ids.values())] = False
     row[~decodable] = -1e4
-    engine = Engine(ZeroCostModel(row), tok, model_id="bench", max_context=tokens + 64,
-                    cache_bytes=0)
+    engine = Engine(ZeroCostModel(row), tok,
+                    EngineOptions(model_id="bench", max_context=tokens + 64, cache_bytes=0))
     prompt = [Segment("<role>HUMAN</role>", True), Segment("hello", False),
               Segment("<|role_end|><role>ASSISTANT</role>", True)]
     request = GenerationRequest(prompt, sampling, max_tokens=tokens, stop=["</stop>"])
@@ -128,11 +126,12 @@ def filled_state(config: ModelConfig, tokens: int) -> SequenceState:
     rng = np.random.default_rng(0)
     state = SequenceState(config)
     arrays = {}
-    for name, value in state.snapshot().to_arrays().items():
+    for name, value in state.snapshot().blocked_arrays().items():
         if name == "length":
             arrays[name] = np.array(tokens, dtype=np.int64)
-        elif name.endswith(".latent"):
-            arrays[name] = rng.standard_normal((tokens, value.shape[1])).astype(np.float32)
+        elif isinstance(value, RowBlocks):  # per-token: the latent caches
+            width = value.partial.shape[1]
+            arrays[name] = rng.standard_normal((tokens, width)).astype(np.float32)
         else:
             arrays[name] = rng.standard_normal(value.shape).astype(value.dtype)
     state.restore(StateSnapshot.from_arrays(config, arrays))
@@ -171,18 +170,17 @@ def persistence_figures(config: ModelConfig, tokens: int = 12_288) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = SnapshotStore(tmp, "bench")
         t0 = time.perf_counter()
-        arrays = snap.to_arrays()
+        arrays = snap.blocked_arrays()
         t_export = time.perf_counter() - t0
         t0 = time.perf_counter()
         store.write(path_tokens, logits, arrays)
         t_write = time.perf_counter() - t0
         first_bytes = _dir_bytes(Path(tmp))
-        # The next turn's snapshot: same prefix plus 37 tokens (shares the latent blocks).
-        longer = dict(arrays)
-        longer["length"] = np.array(tokens + 37, dtype=np.int64)
-        for name, value in arrays.items():
-            if name.endswith(".latent"):
-                longer[name] = np.concatenate([value, np.ones((37, value.shape[1]), value.dtype)])
+        # The next turn's snapshot: the same state 37 tokens on (the same frozen blocks).
+        for cache in state.latents.values():
+            cache.append(np.ones((37, cache.width), cache.dtype))
+        state.length += 37
+        longer = state.snapshot().blocked_arrays()
         t0 = time.perf_counter()
         store.write((*path_tokens, *range(37)), logits, longer)
         t_write2 = time.perf_counter() - t0
@@ -193,12 +191,12 @@ def persistence_figures(config: ModelConfig, tokens: int = 12_288) -> None:
         reloads = []
         for _ in range(3):
             t0 = time.perf_counter()
-            loaded = store.load(index)
+            loaded = SnapshotStore(tmp, "bench").load(index)  # a new process: reads disk
             restored = StateSnapshot.from_arrays(config, loaded.state)
             state.restore(restored)
             reloads.append(time.perf_counter() - t0)
     reload_s = statistics.median(reloads)
-    print(f"persisted {tokens}-token prefix: {first_bytes / 2**20:.0f} MiB on disk; to_arrays "
+    print(f"persisted {tokens}-token prefix: {first_bytes / 2**20:.0f} MiB on disk; export "
           f"{t_export * 1e3:.0f} ms, atomic write+fsync {t_write * 1e3:.0f} ms; start-up "
           f"index of both files {t_scan * 1e3:.1f} ms")
     print(f"  next turn (+37 tokens, latent blocks shared): {second_bytes / 2**20:.1f} MiB "
@@ -238,7 +236,7 @@ async def agent_turns() -> str:
                               / "tokenizer.json")
     with tempfile.TemporaryDirectory() as tmp:
         model = Model.from_hf(make_tiny_checkpoint(Path(tmp)))
-        with Engine(model, tok, model_id="tiny", max_context=4096) as engine:
+        with Engine(model, tok, EngineOptions(model_id="tiny", max_context=4096)) as engine:
             request = GenerationRequest(render(history, tools, enable_thinking=False),
                                         SamplingParams(temperature=0.0), max_tokens=24)
             text = ""

@@ -44,7 +44,7 @@ from ling3_rknn.bench import prompts
 from ling3_rknn.bench.timers import ComponentTimers
 from ling3_rknn.cpu_threads import apply_thread_policy
 from ling3_rknn.demo import DEMO_MODEL_ID, bundle_dir
-from ling3_rknn.loading import engine_from_bundle
+from ling3_rknn.loading import LoadOptions, engine_from_bundle
 from ling3_rknn.model import Model, mla, native
 from ling3_rknn.model import model as model_module
 
@@ -168,8 +168,8 @@ def report_curve(result: dict[str, Any], name: str, bands: list[dict[str, Any]],
 
 
 def agent_request(bundle: Path, scratch_bytes: int) -> dict[str, Any]:
-    engine = engine_from_bundle(bundle, {}, default_model_id=DEMO_MODEL_ID, verify="size")
-    engine.model.prefill_scratch_bytes = scratch_bytes
+    engine = engine_from_bundle(bundle, LoadOptions(prefill_scratch_bytes=scratch_bytes),
+                                default_model_id=DEMO_MODEL_ID, verify="size")
     try:
         return asyncio.run(bench_measure.agent_first_request(
             engine, prompts.OPENCODE_FIRST_REQUEST_TOKENS))

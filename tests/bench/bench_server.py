@@ -119,8 +119,9 @@ async def bench_concurrency(engine, clients: int, per_client: int, payload: dict
 
 async def bench_real(clients: int, per_client: int) -> dict:
     from ling3_rknn.demo import load_demo_engine
+    from ling3_rknn.loading import LoadOptions
 
-    engine = load_demo_engine(model_id=MODEL)
+    engine = load_demo_engine(LoadOptions(model_id=MODEL))
     try:
         return await _bench_real(engine, clients, per_client)
     finally:  # a live worker thread at interpreter exit aborts onnxruntime's teardown

@@ -130,7 +130,7 @@ def _thinking_text(block: dict[str, Any], path: str) -> str:
     if sealed is None or (text and text != sealed):
         fail(join(path, "signature"), "the thinking block does not match its signature: "
                                       "send thinking blocks back unchanged")
-    return sealed  # type: ignore[return-value]
+    return sealed
 
 
 def _assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:

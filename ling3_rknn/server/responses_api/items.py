@@ -116,7 +116,7 @@ def _reasoning(value: Any, path: str) -> str:
         if text is None:
             fail(join(path, "encrypted_content"), "not a value this server wrote, or it was "
                  "altered; send the item back as it was received, or omit encrypted_content")
-        return text  # type: ignore[return-value]
+        return text
     if fields.get("content"):
         return "".join(fields["content"])
     return "\n\n".join(fields.get("summary") or [])

@@ -101,6 +101,7 @@ class ResponsesWriter:
         text = "".join(self._parts)
         index = len(self._response["output"]) - 1
         out = b""
+        part: dict[str, Any]
         if item["type"] == "reasoning":
             part = {"type": "summary_text", "text": text}
             item["summary"] = [part]

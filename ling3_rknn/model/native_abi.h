@@ -1,0 +1,53 @@
+/*
+ * The decode kernels' C ABI, declared once. The C sources include this file, so the compiler
+ * holds every definition to these prototypes; native_abi.py reads the same text for the
+ * Python side (ctypes argument types, the version, the layout constants). Keep it to what
+ * native_abi.py reads: `#define NAME <integer>` lines and prototypes whose parameter types
+ * are int, int32_t, int64_t, float or pointers.
+ */
+#ifndef LING3_NATIVE_ABI_H
+#define LING3_NATIVE_ABI_H
+
+#include <stdint.h>
+
+/* Bumped with every change to a kernel's signature or meaning: native.py refuses a library
+ * whose number differs (one built from older sources), instead of calling it wrongly. */
+#define LING3_NATIVE_ABI 4
+
+/* Floats per vector (vf16, native_vec.h): the 16 heads of Ling-3.0-tiny's MLA and the query
+ * columns of one prefill tile. */
+#define LING3_LANES 16
+/* Cache rows mla_attention.c scores before accumulating their context (~147 KB, in L2). */
+#define LING3_MLA_GROUP 64
+/* Prefill tiles sharing each group of rows: 4 x 32 KB of context plus the rows. */
+#define LING3_MLA_TILE_BLOCK 4
+
+/* LING3_NATIVE_ABI as compiled into the library. */
+int ling3_native_abi(void);
+
+/* The instruction set the compiler targeted, e.g. "x86_64 avx512f avx2 fma f16c" or
+ * "aarch64 neon fp16 dotprod" (from its predefined macros: what the code may use). */
+const char *ling3_native_isa(void);
+
+/* mla_attention.c: one decode token's heads over the latent cache. scratch:
+ * (LING3_MLA_GROUP + 2) * heads floats, plus LING3_MLA_GROUP * stride with `half`. */
+int mla_decode_attend(const float *qT, int heads, int d, int r, const void *const *blocks,
+                      const int64_t *lengths, int n_blocks, int64_t stride, int half,
+                      float *ctxT, float *denom, float *runmax, float *scratch);
+
+/* mla_attention.c: a prefill chunk's causal attention in tiles of LING3_LANES columns.
+ * scratch: LING3_MLA_TILE_BLOCK * (LING3_MLA_GROUP + 2) * 16 + 2 * 16 floats, plus
+ * LING3_MLA_GROUP * stride with `half`. */
+int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int d, int r,
+                       int score_offset, const void *const *blocks, const int64_t *lengths,
+                       int n_blocks, int64_t stride, int half, int64_t mask_from,
+                       float *ctxT, float *scratch);
+
+/* kda_decode.c: one decode token of a KDA layer for heads [h0, h1). scratch:
+ * 3 * (h1 - h0) * d + 4 * d + 2 * queue floats. Returns 1 if rows were folded. */
+int kda_decode_heads(const float *qkv, float *tail, const float *taps, int k, int heads, int d,
+                     const float *log_decay, const float *beta, float *body, float *scale,
+                     float *keys, float *deltas, int queue, int pending, float fold_below,
+                     float fold_rows_below, float *out, int h0, int h1, float *scratch);
+
+#endif
