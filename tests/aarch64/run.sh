@@ -21,6 +21,9 @@ missing=""
 command -v qemu-aarch64-static >/dev/null || missing="$missing qemu-user-static"
 command -v update-binfmts >/dev/null || missing="$missing binfmt-support"
 command -v mmdebstrap >/dev/null || missing="$missing mmdebstrap"
+# mmdebstrap only recommends arch-test, which --no-install-recommends leaves out; without it
+# a foreign-architecture root filesystem stops at "install arch-test".
+command -v arch-test >/dev/null || missing="$missing arch-test"
 if [ -n "$missing" ]; then
     apt-get update -qq && apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
