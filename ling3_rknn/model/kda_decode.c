@@ -27,17 +27,17 @@
 static void conv_silu(const float *restrict x, float *restrict tail, const float *restrict taps,
                       int k, int64_t channels, int64_t c0, int n, float *restrict out) {
     int c = 0;
-    for (; c + VF_LANES <= n; c += VF_LANES) {
+    for (; c + VN <= n; c += VN) {
         const int64_t ch = c0 + c;
-        vf16 s = vf16_splat(0.0f);
+        vfn s = vfn_splat(0.0f);
         for (int j = 0; j < k - 1; j++)
-            s += vf16_load(tail + j * channels + ch) * vf16_load(taps + j * channels + ch);
-        const vf16 xv = vf16_load(x + ch);
-        s += xv * vf16_load(taps + (int64_t)(k - 1) * channels + ch);
-        vf16_store(out + c, s / (1.0f + vf16_exp(-s)));
+            s += vfn_load(tail + j * channels + ch) * vfn_load(taps + j * channels + ch);
+        const vfn xv = vfn_load(x + ch);
+        s += xv * vfn_load(taps + (int64_t)(k - 1) * channels + ch);
+        vfn_store(out + c, s / (1.0f + vfn_exp(-s)));
         for (int j = 0; j + 1 < k - 1; j++)
-            vf16_store(tail + j * channels + ch, vf16_load(tail + (j + 1) * channels + ch));
-        if (k > 1) vf16_store(tail + (int64_t)(k - 2) * channels + ch, xv);
+            vfn_store(tail + j * channels + ch, vfn_load(tail + (j + 1) * channels + ch));
+        if (k > 1) vfn_store(tail + (int64_t)(k - 2) * channels + ch, xv);
     }
     for (; c < n; c++) {
         const int64_t ch = c0 + c;
@@ -50,19 +50,13 @@ static void conv_silu(const float *restrict x, float *restrict tail, const float
     }
 }
 
-static float hsum(vf16 v) {
-    float s = 0.0f;
-    for (int i = 0; i < VF_LANES; i++) s += v[i];
-    return s;
-}
-
-/* a . b over n floats, 16 lanes at a time (a plain loop would not vectorise: reordering a
+/* a . b over n floats, VN lanes at a time (a plain loop would not vectorise: reordering a
  * float sum needs -ffast-math, which this file avoids). */
 static float dot(const float *a, const float *b, int n) {
-    vf16 acc = vf16_splat(0.0f);
+    vfn acc = vfn_splat(0.0f);
     int i = 0;
-    for (; i + VF_LANES <= n; i += VF_LANES) acc += vf16_load(a + i) * vf16_load(b + i);
-    float s = hsum(acc);
+    for (; i + VN <= n; i += VN) acc += vfn_load(a + i) * vfn_load(b + i);
+    float s = vfn_sum(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
@@ -70,8 +64,8 @@ static float dot(const float *a, const float *b, int n) {
 /* y[0..n) += a * x[0..n) */
 static void axpy(float *restrict y, float a, const float *restrict x, int n) {
     int i = 0;
-    for (; i + VF_LANES <= n; i += VF_LANES)
-        vf16_store(y + i, vf16_load(y + i) + a * vf16_load(x + i));
+    for (; i + VN <= n; i += VN)
+        vfn_store(y + i, vfn_load(y + i) + a * vfn_load(x + i));
     for (; i < n; i++) y[i] += a * x[i];
 }
 
@@ -112,10 +106,11 @@ int kda_decode_heads(const float *qkv, float *tail, const float *taps, int k, in
         float *sc = scale + (int64_t)h * d;
         const float *ld = log_decay + (int64_t)h * d;
         int i = 0;
-        for (; i + VF_LANES <= d; i += VF_LANES) {
-            const vf16 v = vf16_load(sc + i) * vf16_exp(vf16_load(ld + i));
-            vf16_store(sc + i, v);
-            for (int l = 0; l < VF_LANES; l++) lowest = v[l] < lowest ? v[l] : lowest;
+        for (; i + VN <= d; i += VN) {
+            const vfn v = vfn_load(sc + i) * vfn_exp(vfn_load(ld + i));
+            vfn_store(sc + i, v);
+            const float m = vfn_min(v);
+            lowest = m < lowest ? m : lowest;
         }
         for (; i < d; i++) {
             sc[i] *= expf(ld[i]);

@@ -21,62 +21,84 @@
 
 #include "native_vec.h"
 
-#define HEADS VF_LANES /* Ling-3.0-tiny's 16 heads: the vectorised path; others generic */
+#define HEADS LING3_LANES /* Ling-3.0-tiny's 16 heads: the vectorised path; others generic */
 #define GROUP LING3_MLA_GROUP /* rows scored before their context is accumulated */
 
+/* Register blocking: ROWS rows (CHANNELS channels) share each load of the 16 query lanes
+ * (weights), so ROWS x NV accumulators, NV query vectors and the broadcast row values must
+ * fit the register file: 8 x 1 + 1 + 1 of AVX-512's 32, 6 x 2 + 2 + 1 of AVX2's 16, and on
+ * NEON, whose by-element FMA keeps each row's value in a register of its own, 4 x 4 + 4 + 4
+ * of 32 (6 rows spilled two accumulators per channel). Measured: docs/performance.md. */
 #if defined(__AVX512F__)
-#define ROWS 8 /* scores: rows sharing each query load (accumulators: ROWS x 16 floats) */
+#define ROWS 8
 #define CHANNELS 8
+#elif defined(__AVX__)
+#define ROWS 6
+#define CHANNELS 6
 #else
 #define ROWS 4
 #define CHANNELS 4
 #endif
 
-/* out[j][h] = rows[j] . qT[:, h] for n rows; qT is [d][HEADS] (head-minor). */
+/* out[a][h] = rows[a] . qT[:, h] for `count` rows (a constant where inlined, so the
+ * accumulators stay in registers); qT is [d][HEADS] (head-minor). */
+static inline __attribute__((always_inline)) void score_rows(
+        const float *restrict qT, int d, const float *restrict rp, int64_t stride,
+        float *restrict out, const int count) {
+    vfn acc[ROWS][NV];
+    for (int a = 0; a < count; a++)
+        for (int v = 0; v < NV; v++) acc[a][v] = vfn_splat(0.0f);
+    for (int c = 0; c < d; c++) {
+        if (c % 16 == 0) /* the rows GROUP ahead, one cache line each per 16 channels */
+            for (int a = 0; a < count; a++)
+                __builtin_prefetch(rp + (int64_t)(a + GROUP) * stride + c);
+        vfn q[NV];
+        for (int v = 0; v < NV; v++) q[v] = vfn_load(qT + (int64_t)c * HEADS + v * VN);
+        for (int a = 0; a < count; a++) {
+            const vfn x = vfn_splat(rp[(int64_t)a * stride + c]);
+            for (int v = 0; v < NV; v++) acc[a][v] += x * q[v];
+        }
+    }
+    for (int a = 0; a < count; a++)
+        for (int v = 0; v < NV; v++) vfn_store(out + (int64_t)a * HEADS + v * VN, acc[a][v]);
+}
+
+/* out[j][h] = rows[j] . qT[:, h] for n rows. */
 static void scores16(const float *restrict qT, int d, const float *restrict rows,
                      int64_t stride, int n, float *restrict out) {
     int j = 0;
-    for (; j + ROWS <= n; j += ROWS) {
-        vf16 acc[ROWS];
-        for (int a = 0; a < ROWS; a++) acc[a] = (vf16){0};
-        const float *rp = rows + (int64_t)j * stride;
-        for (int c = 0; c < d; c++) {
-            if (c % 16 == 0) /* the rows GROUP ahead, one cache line each per 16 channels */
-                for (int a = 0; a < ROWS; a++)
-                    __builtin_prefetch(rp + (int64_t)(a + GROUP) * stride + c);
-            const vf16 q = vf16_load(qT + (int64_t)c * HEADS);
-            for (int a = 0; a < ROWS; a++) acc[a] += rp[(int64_t)a * stride + c] * q;
+    for (; j + ROWS <= n; j += ROWS) score_rows(qT, d, rows + (int64_t)j * stride, stride, out + (int64_t)j * HEADS, ROWS);
+    for (; j + 2 <= n; j += 2) score_rows(qT, d, rows + (int64_t)j * stride, stride, out + (int64_t)j * HEADS, 2);
+    if (j < n) score_rows(qT, d, rows + (int64_t)j * stride, stride, out + (int64_t)j * HEADS, 1);
+}
+
+/* ctxT[c + a][h] += sum_j p[j][h] * rows[j][c + a] for `count` channels from c. */
+static inline __attribute__((always_inline)) void context_channels(
+        const float *restrict p, const float *restrict rows, int64_t stride, int n, int c,
+        float *restrict ctxT, const int count) {
+    vfn acc[CHANNELS][NV];
+    for (int a = 0; a < count; a++)
+        for (int v = 0; v < NV; v++) acc[a][v] = vfn_load(ctxT + (int64_t)(c + a) * HEADS + v * VN);
+    for (int j = 0; j < n; j++) {
+        vfn pj[NV];
+        for (int v = 0; v < NV; v++) pj[v] = vfn_load(p + (int64_t)j * HEADS + v * VN);
+        const float *rj = rows + (int64_t)j * stride + c;
+        for (int a = 0; a < count; a++) {
+            const vfn x = vfn_splat(rj[a]);
+            for (int v = 0; v < NV; v++) acc[a][v] += x * pj[v];
         }
-        memcpy(out + (int64_t)j * HEADS, acc, sizeof acc);
     }
-    for (; j < n; j++) {
-        vf16 acc = {0};
-        const float *rp = rows + (int64_t)j * stride;
-        for (int c = 0; c < d; c++) acc += rp[c] * vf16_load(qT + (int64_t)c * HEADS);
-        memcpy(out + (int64_t)j * HEADS, &acc, sizeof acc);
-    }
+    for (int a = 0; a < count; a++)
+        for (int v = 0; v < NV; v++) vfn_store(ctxT + (int64_t)(c + a) * HEADS + v * VN, acc[a][v]);
 }
 
 /* ctxT[c][h] += sum_j p[j][h] * rows[j][c] for the first r channels; p is [n][HEADS]. */
 static void context16(const float *restrict p, const float *restrict rows, int64_t stride,
                       int n, int r, float *restrict ctxT) {
     int c = 0;
-    for (; c + CHANNELS <= r; c += CHANNELS) {
-        vf16 acc[CHANNELS];
-        memcpy(acc, ctxT + (int64_t)c * HEADS, sizeof acc);
-        for (int j = 0; j < n; j++) {
-            const vf16 pj = vf16_load(p + (int64_t)j * HEADS);
-            const float *rj = rows + (int64_t)j * stride + c;
-            for (int a = 0; a < CHANNELS; a++) acc[a] += rj[a] * pj;
-        }
-        memcpy(ctxT + (int64_t)c * HEADS, acc, sizeof acc);
-    }
-    for (; c < r; c++) {
-        vf16 acc = vf16_load(ctxT + (int64_t)c * HEADS);
-        for (int j = 0; j < n; j++)
-            acc += rows[(int64_t)j * stride + c] * vf16_load(p + (int64_t)j * HEADS);
-        memcpy(ctxT + (int64_t)c * HEADS, &acc, sizeof acc);
-    }
+    for (; c + CHANNELS <= r; c += CHANNELS) context_channels(p, rows, stride, n, c, ctxT, CHANNELS);
+    for (; c + 2 <= r; c += 2) context_channels(p, rows, stride, n, c, ctxT, 2);
+    if (c < r) context_channels(p, rows, stride, n, c, ctxT, 1);
 }
 
 /* The same two products for any head count (the small test models). */
@@ -134,14 +156,17 @@ static void softmax_group(float *restrict scores, int n, int heads, int r,
         for (int c = 0; c < r; c++)
             for (int h = 0; h < heads; h++) ctxT[(int64_t)c * heads + h] *= factors[h];
     if (heads == HEADS) {
-        const vf16 m = vf16_load(maxes);
-        vf16 sum = vf16_load(denom);
-        for (int j = 0; j < n; j++) {
-            const vf16 e = vf16_exp(vf16_load(scores + (int64_t)j * HEADS) - m);
-            memcpy(scores + (int64_t)j * HEADS, &e, sizeof e);
-            sum += e;
+        for (int v = 0; v < NV; v++) {
+            const vfn m = vfn_load(maxes + v * VN);
+            vfn sum = vfn_load(denom + v * VN);
+            for (int j = 0; j < n; j++) {
+                float *sj = scores + (int64_t)j * HEADS + v * VN;
+                const vfn e = vfn_exp(vfn_load(sj) - m);
+                vfn_store(sj, e);
+                sum += e;
+            }
+            vfn_store(denom + v * VN, sum);
         }
-        memcpy(denom, &sum, sizeof sum);
         return;
     }
     for (int j = 0; j < n; j++)
