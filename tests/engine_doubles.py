@@ -46,6 +46,13 @@ class FakeSnapshot:
         return self.size
 
     @property
+    def private_nbytes(self) -> int:
+        return self.nbytes  # shares nothing
+
+    def shared_blocks(self) -> tuple[np.ndarray, ...]:
+        return ()
+
+    @property
     def length(self) -> int:
         return len(self.tokens)
 

@@ -31,6 +31,13 @@ class Snap:
     def nbytes(self) -> int:
         return self.value.nbytes
 
+    @property
+    def private_nbytes(self) -> int:
+        return self.nbytes  # shares nothing
+
+    def shared_blocks(self) -> tuple[np.ndarray, ...]:
+        return ()
+
 
 def snap(tag: float, size: int = 100) -> Snap:
     return Snap(np.full(size, tag, np.float32))
@@ -349,6 +356,13 @@ class LatentSnap:
     @property
     def nbytes(self) -> int:
         return self.rows.nbytes
+
+    @property
+    def private_nbytes(self) -> int:
+        return self.nbytes  # shares nothing
+
+    def shared_blocks(self) -> tuple[np.ndarray, ...]:
+        return ()
 
     @staticmethod
     def to_arrays(s) -> dict[str, np.ndarray | RowBlocks]:

@@ -32,13 +32,14 @@ import numpy as np
 
 from .disk_tier import DiskTier, FromArrays, ToArrays
 from .prefix_trie import TrieNode, entries_on_path, insert_node, prune
+from .protocols import CacheableSnapshot
 from .snapshot_store import SnapshotStore, StoredSnapshot
 
 
 @dataclass(frozen=True)
 class CacheHit:
     depth: int  # number of leading request tokens the snapshot covers
-    snapshot: Any
+    snapshot: CacheableSnapshot
     logits: np.ndarray  # logits row after the snapshot's last token
 
 
@@ -69,7 +70,7 @@ class _Entry:
 
     def __init__(self, node: TrieNode) -> None:
         self.node = node
-        self.snapshot: Any = None
+        self.snapshot: CacheableSnapshot | None = None
         self.logits: np.ndarray | None = None
         self.nbytes = 0
         self.stored: StoredSnapshot | None = None
@@ -81,20 +82,6 @@ class _Entry:
     @property
     def resident(self) -> bool:
         return self.snapshot is not None
-
-
-def _shared_blocks(snapshot: Any) -> tuple[np.ndarray, ...]:
-    """Arrays a snapshot shares with others, if its type says so (``shared_blocks()``)."""
-    method = getattr(snapshot, "shared_blocks", None)
-    return tuple(method()) if callable(method) else ()
-
-
-def _own_nbytes(snapshot: Any) -> int:
-    """Bytes charged to a snapshot alone: its private part when it reports shared blocks
-    separately, otherwise everything it references (an upper bound)."""
-    if callable(getattr(snapshot, "shared_blocks", None)):
-        return int(snapshot.private_nbytes)
-    return int(snapshot.nbytes)
 
 
 class PrefixCache:
@@ -153,7 +140,7 @@ class PrefixCache:
             return None
 
     def insert(
-        self, tokens: Sequence[int], snapshot: Any, logits: np.ndarray, note: str = ""
+        self, tokens: Sequence[int], snapshot: CacheableSnapshot, logits: np.ndarray, note: str = ""
     ) -> bool:
         """Remember ``snapshot`` (state after ``tokens``) and its last logits row; ``note``
         is kept with it on disk and handed back by ``notes()`` after a restart.
@@ -162,7 +149,7 @@ class PrefixCache:
         if not tokens:
             return False
         row = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
-        if _own_nbytes(snapshot) + row.nbytes > self.max_bytes:
+        if snapshot.private_nbytes + row.nbytes > self.max_bytes:
             return False
         key = tuple(int(t) for t in tokens)
         with self._lock:
@@ -237,12 +224,12 @@ class PrefixCache:
         self._tick += 1
         entry.last_used = self._tick
 
-    def _make_resident(self, entry: _Entry, snapshot: Any, row: np.ndarray) -> None:
+    def _make_resident(self, entry: _Entry, snapshot: CacheableSnapshot, row: np.ndarray) -> None:
         """Hold ``snapshot`` in memory, charging shared blocks once across all entries."""
         entry.snapshot, entry.logits = snapshot, row
-        entry.nbytes = _own_nbytes(snapshot) + row.nbytes
+        entry.nbytes = snapshot.private_nbytes + row.nbytes
         self._bytes += entry.nbytes
-        for block in _shared_blocks(snapshot):
+        for block in snapshot.shared_blocks():
             ref = self._shared.get(id(block))
             if ref is None:
                 self._shared[id(block)] = [1, block]
@@ -252,9 +239,9 @@ class PrefixCache:
 
     def _release(self, entry: _Entry) -> None:
         """Drop an entry's in-memory snapshot (and any shared block nobody else holds)."""
-        if not entry.resident:
+        if entry.snapshot is None:
             return
-        for block in _shared_blocks(entry.snapshot):
+        for block in entry.snapshot.shared_blocks():
             ref = self._shared[id(block)]
             ref[0] -= 1
             if ref[0] == 0:
@@ -325,7 +312,7 @@ class PrefixCache:
         return True
 
     def _persist(
-        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: Any
+        self, entry: _Entry, key: tuple[int, ...], row: np.ndarray, snapshot: CacheableSnapshot
     ) -> None:
         """Hand a snapshot to the disk tier. Snapshots are immutable, so the export to
         arrays happens on the tier's writer thread, off the request path."""

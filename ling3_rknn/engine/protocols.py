@@ -38,13 +38,28 @@ class ModelConfigLike(Protocol):
     def max_position_embeddings(self) -> int: ...
 
 
-class SnapshotLike(Protocol):
-    """A frozen copy of a state: what the prefix cache keeps and writes to disk."""
+class CacheableSnapshot(Protocol):
+    """What the prefix cache's budget reads of a snapshot: its size, and the arrays it
+    shares with other snapshots (charged once however many hold them)."""
 
     @property
     def nbytes(self) -> int:
-        """Every byte it references (the cache's budget unit)."""
+        """Every byte it references (an upper bound when blocks are shared)."""
         ...
+
+    @property
+    def private_nbytes(self) -> int:
+        """The bytes only it holds: ``nbytes`` less its shared blocks."""
+        ...
+
+    def shared_blocks(self) -> tuple[np.ndarray, ...]:
+        """Read-only arrays it may share with other snapshots, keyed by identity (the
+        frozen latent blocks); () for a snapshot that shares nothing."""
+        ...
+
+
+class SnapshotLike(CacheableSnapshot, Protocol):
+    """A frozen copy of a state: what the prefix cache keeps and writes to disk."""
 
     def to_arrays(self) -> Mapping[str, np.ndarray]:
         """Named arrays, one per name; the model's ``snapshot_from_arrays`` reads them

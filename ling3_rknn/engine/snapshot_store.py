@@ -22,6 +22,7 @@ token path without touching the (large) state arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -58,9 +59,7 @@ class SnapshotFileError(Exception):
 def model_fingerprint(config: Any, weights_identity: str) -> str:
     """Identity of the model a snapshot belongs to: its config plus the caller's
     identity of the weights (e.g. the bundle manifest hash) plus our file format."""
-    if hasattr(config, "__dataclass_fields__"):
-        import dataclasses
-
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
         fields = dataclasses.asdict(config)
     elif isinstance(config, Mapping):
         fields = dict(config)
