@@ -179,3 +179,17 @@ def array(item: Check, *, min_items: int = 0, max_items: int | None = None) -> C
         return [item(element, f"{path}[{i}]") for i, element in enumerate(value)]
 
     return run
+
+
+def text_or_parts(part: Check, what: str) -> Check:
+    """A string, or an array of text parts (each read by ``part``) joined by newlines: how
+    the chat route, the Responses API and the Messages API all take a message's text."""
+
+    def run(value: Any, path: str) -> str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return "\n".join(array(part)(value, path))
+        fail(path, f"expected a string or an array of {what}, got {type_name(value)}")
+
+    return run

@@ -32,6 +32,7 @@ from ling3_rknn.server.json_checks import (
     number,
     one_of,
     string,
+    text_or_parts,
     type_name,
     type_tag,
 )
@@ -65,13 +66,7 @@ def _text_block(value: Any, path: str) -> str:
                                      "citations": _ANY}, ("type", "text"))["text"]
 
 
-def _texts(value: Any, path: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "\n".join(array(_text_block)(value, path))
-    fail(path, f"expected a string or an array of text blocks, got {type_name(value)}")
-    raise AssertionError("unreachable")
+_texts = text_or_parts(_text_block, "text blocks")
 
 
 def _result_block(value: Any, path: str) -> str:

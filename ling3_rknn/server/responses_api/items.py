@@ -21,6 +21,7 @@ from ling3_rknn.server.json_checks import (
     nullable,
     one_of,
     string,
+    text_or_parts,
     type_name,
     type_tag,
 )
@@ -41,14 +42,8 @@ def _part_text(value: Any, path: str) -> str:
                                      "logprobs": _ANY}, ("type", key))[key]
 
 
-def _text(value: Any, path: str) -> str:
-    """A string, or text parts joined by newlines (what the chat route does)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "\n".join(array(_part_text)(value, path))
-    fail(path, f"expected a string or an array of text parts, got {type_name(value)}")
-    raise AssertionError("unreachable")
+# A string, or text parts joined by newlines (what the chat route does).
+_text = text_or_parts(_part_text, "text parts")
 
 
 _OMITTED = "[{kind} omitted: this model reads text only]"
