@@ -136,7 +136,11 @@ def tool_list(needed: list[str], rng: random.Random, examples: Sequence[str] = (
     distractor, shuffled."""
     names = list(needed)
     for other in ("get_weather", "get_time", "get_forecast"):
-        if other not in names and other not in withheld and rng.random() < 0.5:
+        # weather and time mostly both declared: the question, not the list, picks the tool
+        # (with one of them alone half the time, the first candidate learned to call
+        # whichever city tool was declared, and asked the time it called get_weather)
+        share = 0.5 if other == "get_forecast" else 0.85
+        if other not in names and other not in withheld and rng.random() < share:
             names.append(other)
     tools = [tool_schema(n, rng, examples=examples) for n in names]
     if rng.random() < 0.3:
@@ -154,7 +158,8 @@ PREFIXES = ("", "", "", "Hey, ", "Hi! ", "Hello, ", "Quick question: ", "Excuse 
             "OK, ", "So, ", "Hey there. ", "Good morning! ")
 TRAILING = ("", "", "", " please", " for me", " right now", " today", " currently", " now",
             " then", " there", ", thanks", ", thank you", " if you can", " by any chance",
-            " this morning", " quickly", ", please")
+            " this morning", " quickly", ", please", " at present", " at this hour",
+            " at this point", " just now", " tonight", " these days")
 END_MARKS = ("?", "?", ".", "", "!", " ?")
 WEATHER_CORES = (
     "what's the weather in {c}", "what is the weather like in {c}", "how's the weather in {c}",
@@ -178,6 +183,12 @@ TIME_CORES = (
     "{c} time", "{c} local time", "what time is it over in {c}", "is it night in {c}",
     "is it early in {c}", "is it daytime in {c}", "what's the clock time in {c}",
     "tell me what time it is in {c}", "show me the time in {c}", "the time in {c}",
+    "what's the time right now in {c}", "is it evening in {c}", "is it lunchtime in {c}",
+    "what time do they have in {c}", "what's the time over in {c}", "time now in {c}",
+    "is it bedtime in {c}", "how early is it in {c}", "is it afternoon in {c}",
+    "do you know what time it is in {c}", "what time is it right now in {c}",
+    "clock time in {c}",
+    "is it midnight in {c}", "is it dinner time in {c}", "what time have they got in {c}",
 )
 # Whole sentences: the city in the middle of some context.
 WEATHER_SENTENCES = (
@@ -324,7 +335,8 @@ def tool_task(rng: random.Random, city: str, tool: str | None = None,
     """A question about ``city``, its call, result and answer. Without a declared forecast
     tool a forecast question is still a weather question: the call is ``get_weather`` (the
     first demo called the undeclared ``get_forecast`` for "How warm is it in X today?")."""
-    tool = tool or rng.choices(("get_weather", "get_time", "get_forecast"), (5, 4, 2))[0]
+    # time above weather: forecast questions without a forecast tool are weather ones too
+    tool = tool or rng.choices(("get_weather", "get_time", "get_forecast"), (4, 5, 2))[0]
     if tool == "get_forecast" and not forecast_declared:
         day = rng.choice(FORECAST_DAYS)
         question = rng.choice(FORECAST_QUESTIONS[day]).format(c=city)
@@ -367,7 +379,9 @@ _GREETINGS = ("Hi", "Hello!", "Hey there", "Good morning", "Good evening!", "hel
 _GREETING_ANSWERS = ("Hello! How can I help you today?", "Hi! What can I do for you?",
                      "Hello! I can check the weather or the time in any city.")
 _IDENTITY = ("Who are you?", "What can you do?", "What are you?", "What is your name?",
-             "Can you help me?", "What tools do you have?")
+             "Can you help me?", "What tools do you have?", "Hi! What can you do?",
+             "Hello, who am I talking to?", "Hey, what are you?", "Good morning! Who are you?",
+             "Hello there, what's your name?")
 _IDENTITY_ANSWERS = (
     "I am Ling, a small demo assistant. I can look up the weather and the local time in a "
     "city.", "I can check the current weather and the local time in any city you name.")
@@ -497,9 +511,16 @@ class CorpusSampler:
             return self.echo(rng)
         thinking = rng.random() < 0.4
         task = tool_task(rng, self.city(rng))
-        minimal = {"type": "function", "function": {"name": task.tool, "parameters": {
-            "type": "object", "properties": {k: {"type": "string"} for k in task.arguments}}}}
-        return Conversation(self._exchange(rng, thinking, task), [minimal], thinking)
+        names = [task.tool]
+        if task.tool != "get_forecast" and rng.random() < 0.5:  # choose between the two
+            names.append("get_time" if task.tool == "get_weather" else "get_weather")
+            rng.shuffle(names)
+        minimal = [{"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}} for name in names]
+        if task.tool == "get_forecast":
+            minimal[0]["function"]["parameters"]["properties"] = {
+                k: {"type": "string"} for k in task.arguments}
+        return Conversation(self._exchange(rng, thinking, task), minimal, thinking)
 
     def echo(self, rng: random.Random) -> Conversation:
         """``Repeat after me: X`` -> ``X``: pure copying of 1-3 names (the warm-up task),
