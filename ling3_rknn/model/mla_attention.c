@@ -221,6 +221,19 @@ static const float *group_rows(const void *block, int64_t j0, int n, int64_t str
     return (const float *)block + j0 * stride;
 }
 
+/* Rows in a cache of n_blocks blocks, or the kernels' error: -1 if there is no row at all,
+ * -2 for a float16 cache this build cannot read. */
+static int64_t cache_rows(const int64_t *lengths, int n_blocks, int half) {
+#ifndef HAVE_FLOAT16
+    if (half) return -2;
+#else
+    (void)half;
+#endif
+    int64_t total = 0;
+    for (int b = 0; b < n_blocks; b++) total += lengths[b];
+    return total > 0 ? total : -1;
+}
+
 /*
  * Softmax attention state of one token's heads over the rows of n_blocks blocks
  * (block b holds lengths[b] rows of `stride` values, float32 or, with `half`, float16; a row
@@ -233,12 +246,8 @@ static const float *group_rows(const void *block, int64_t j0, int n, int64_t str
 int mla_decode_attend(const float *qT, int heads, int d, int r, const void *const *blocks,
                       const int64_t *lengths, int n_blocks, int64_t stride, int half,
                       float *ctxT, float *denom, float *runmax, float *scratch) {
-#ifndef HAVE_FLOAT16
-    if (half) return -2;
-#endif
-    int64_t total = 0;
-    for (int b = 0; b < n_blocks; b++) total += lengths[b];
-    if (total <= 0) return -1;
+    const int64_t total = cache_rows(lengths, n_blocks, half);
+    if (total < 0) return (int)total;
     memset(ctxT, 0, sizeof(float) * (size_t)r * (size_t)heads);
     for (int h = 0; h < heads; h++) {
         denom[h] = 0.0f;
@@ -292,12 +301,8 @@ int mla_prefill_attend(const float *qT, const int32_t *lane_pos, int tiles, int 
                        int score_offset, const void *const *blocks, const int64_t *lengths,
                        int n_blocks, int64_t stride, int half, int64_t mask_from,
                        float *ctxT, float *scratch) {
-#ifndef HAVE_FLOAT16
-    if (half) return -2;
-#endif
-    int64_t total = 0;
-    for (int b = 0; b < n_blocks; b++) total += lengths[b];
-    if (total <= 0) return -1;
+    const int64_t total = cache_rows(lengths, n_blocks, half);
+    if (total < 0) return (int)total;
     float *scores = scratch;                                  /* [TILE_BLOCK][GROUP][16] */
     float *denom = scores + (int64_t)TILE_BLOCK * GROUP * HEADS; /* [TILE_BLOCK][16] */
     float *runmax = denom + TILE_BLOCK * HEADS;                /* [TILE_BLOCK][16] */
