@@ -515,11 +515,10 @@ class CorpusSampler:
         if task.tool != "get_forecast" and rng.random() < 0.5:  # choose between the two
             names.append("get_time" if task.tool == "get_weather" else "get_weather")
             rng.shuffle(names)
+        params = list(task.arguments) if task.tool == "get_forecast" else ["city"]
         minimal = [{"type": "function", "function": {"name": name, "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}}}}} for name in names]
-        if task.tool == "get_forecast":
-            minimal[0]["function"]["parameters"]["properties"] = {
-                k: {"type": "string"} for k in task.arguments}
+            "type": "object", "properties": {k: {"type": "string"} for k in params}}}}
+            for name in names]
         return Conversation(self._exchange(rng, thinking, task), minimal, thinking)
 
     def echo(self, rng: random.Random) -> Conversation:
