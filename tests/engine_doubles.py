@@ -36,21 +36,30 @@ class ScriptedConfig:
     max_position_embeddings: int = 4096
 
 
+class SharesNothing:
+    """The sharing half of ``CacheableSnapshot`` for snapshot doubles that share no arrays:
+    everything they hold is their own."""
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError  # the double's own
+
+    @property
+    def private_nbytes(self) -> int:
+        return self.nbytes
+
+    def shared_blocks(self) -> tuple[np.ndarray, ...]:
+        return ()
+
+
 @dataclass(frozen=True)
-class FakeSnapshot:
+class FakeSnapshot(SharesNothing):
     tokens: tuple[int, ...]
     size: int = 4096
 
     @property
     def nbytes(self) -> int:
         return self.size
-
-    @property
-    def private_nbytes(self) -> int:
-        return self.nbytes  # shares nothing
-
-    def shared_blocks(self) -> tuple[np.ndarray, ...]:
-        return ()
 
     @property
     def length(self) -> int:

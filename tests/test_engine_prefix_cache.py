@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from engine_doubles import SharesNothing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
@@ -24,19 +25,12 @@ VOCAB = 16
 
 
 @dataclass
-class Snap:
+class Snap(SharesNothing):
     value: np.ndarray
 
     @property
     def nbytes(self) -> int:
         return self.value.nbytes
-
-    @property
-    def private_nbytes(self) -> int:
-        return self.nbytes  # shares nothing
-
-    def shared_blocks(self) -> tuple[np.ndarray, ...]:
-        return ()
 
 
 def snap(tag: float, size: int = 100) -> Snap:
@@ -348,7 +342,7 @@ def test_shared_blocks_are_charged_once():
 
 
 @dataclass
-class LatentSnap:
+class LatentSnap(SharesNothing):
     """A snapshot exporting an append-only per-token array, like the model's MLA latent."""
 
     rows: np.ndarray
@@ -356,13 +350,6 @@ class LatentSnap:
     @property
     def nbytes(self) -> int:
         return self.rows.nbytes
-
-    @property
-    def private_nbytes(self) -> int:
-        return self.nbytes  # shares nothing
-
-    def shared_blocks(self) -> tuple[np.ndarray, ...]:
-        return ()
 
     @staticmethod
     def to_arrays(s) -> dict[str, np.ndarray | RowBlocks]:

@@ -67,8 +67,10 @@ static inline __attribute__((always_inline)) void score_rows(
 static void scores16(const float *restrict qT, int d, const float *restrict rows,
                      int64_t stride, int n, float *restrict out) {
     int j = 0;
-    for (; j + ROWS <= n; j += ROWS) score_rows(qT, d, rows + (int64_t)j * stride, stride, out + (int64_t)j * HEADS, ROWS);
-    for (; j + 2 <= n; j += 2) score_rows(qT, d, rows + (int64_t)j * stride, stride, out + (int64_t)j * HEADS, 2);
+    for (; j + ROWS <= n; j += ROWS)
+        score_rows(qT, d, rows + (int64_t)j * stride, stride, out + (int64_t)j * HEADS, ROWS);
+    for (; j + 2 <= n; j += 2)
+        score_rows(qT, d, rows + (int64_t)j * stride, stride, out + (int64_t)j * HEADS, 2);
     if (j < n) score_rows(qT, d, rows + (int64_t)j * stride, stride, out + (int64_t)j * HEADS, 1);
 }
 
@@ -96,7 +98,8 @@ static inline __attribute__((always_inline)) void context_channels(
 static void context16(const float *restrict p, const float *restrict rows, int64_t stride,
                       int n, int r, float *restrict ctxT) {
     int c = 0;
-    for (; c + CHANNELS <= r; c += CHANNELS) context_channels(p, rows, stride, n, c, ctxT, CHANNELS);
+    for (; c + CHANNELS <= r; c += CHANNELS)
+        context_channels(p, rows, stride, n, c, ctxT, CHANNELS);
     for (; c + 2 <= r; c += 2) context_channels(p, rows, stride, n, c, ctxT, 2);
     if (c < r) context_channels(p, rows, stride, n, c, ctxT, 1);
 }
