@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ling3_rknn.model import native
 from ling3_rknn.model.kda import (
     RecurrentState,
     kda_chunked,
@@ -33,14 +34,22 @@ def kda_inputs(rng, t, h=3, d=16):
     return q, k, v, g, beta
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("t", [1, 5, 64, 65, 150])
-def test_chunked_kda_equals_recurrence(t):
+def test_chunked_kda_equals_recurrence(t, compiled):
+    """Both forms of the chunked path: numpy's (the reference) and kda_chunk.c's."""
+    if compiled and not native.available():
+        pytest.skip("the compiled kernels are not built here")
     rng = np.random.default_rng(t)
     q, k, v, g, beta = kda_inputs(rng, t)
     s0 = (0.3 * rng.standard_normal((3, 16, 16))).astype(F32)  # non-zero initial state
     s_rec, s_chk = RecurrentState(s0.copy()), RecurrentState(s0.copy())
     o_rec = kda_recurrent(q, k, v, g, beta, s_rec)
-    o_chk = kda_chunked(q, k, v, g, beta, s_chk)
+    native.set_enabled(compiled)
+    try:
+        o_chk = kda_chunked(q, k, v, g, beta, s_chk)
+    finally:
+        native.set_enabled(True)
     np.testing.assert_allclose(o_chk, o_rec, atol=2e-5, rtol=0)
     np.testing.assert_allclose(s_chk.value(), s_rec.value(), atol=2e-5, rtol=0)
 

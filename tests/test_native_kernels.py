@@ -1,8 +1,9 @@
-"""The compiled glue kernels (ling3_rknn/model/mla_attention.c, kda_decode.c) against the
-numpy paths they replace.
+"""The compiled glue kernels (ling3_rknn/model/mla_attention.c, kda_decode.c, kda_chunk.c)
+against the numpy paths they replace.
 
 The numpy paths are the reference: ``mla._attend`` for the MLA attention, ``short_conv`` +
-``prepare_qkv`` + ``kda_recurrent`` for a KDA decode token. The kernels must agree with
+``prepare_qkv`` + ``kda_recurrent`` for a KDA decode token, numpy's ``kda_chunked`` for a
+KDA prefill piece. The kernels must agree with
 them to 1e-5 (relative to the largest output) at Ling-3.0-tiny's dimensions (the
 vectorised paths) and at other sizes (the generic paths), over every case a decode meets:
 caches of any length and split, the KDA queue filling and flushing, rows folded.
@@ -18,6 +19,7 @@ import pytest
 from ling3_rknn.model import mla, native, native_build
 from ling3_rknn.model.kda import (
     RecurrentState,
+    kda_chunked,
     kda_decode,
     kda_recurrent,
     prepare_qkv,
@@ -289,3 +291,64 @@ def test_kda_decode_leaves_what_it_cannot_take_to_numpy():
         native.set_enabled(True)
 
 
+
+
+def _kda_piece(rng: np.random.Generator, t_len: int, heads: int, d: int, decay: float):
+    conv = rng.standard_normal((t_len, 3 * heads * d)).astype(np.float32)
+    q, k, v = prepare_qkv(conv, heads, d)
+    log_decay = (-decay / (1.0 + np.exp(-2.0 * rng.standard_normal((t_len, heads, d))))
+                 ).astype(np.float32)
+    beta = rng.random((t_len, heads)).astype(np.float32)
+    return q, k, v, log_decay, beta
+
+
+def _numpy_chunked(*args, **kwargs) -> np.ndarray:
+    native.set_enabled(False)
+    try:
+        return kda_chunked(*args, **kwargs)
+    finally:
+        native.set_enabled(True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,d,t_len,chunk,decay,parts", [
+    (16, 128, 150, 64, 5.0, 1),   # Ling-3.0-tiny's KDA, a piece that ends mid-chunk
+    (16, 128, 64, 64, 5.0, 2),    # one full chunk, heads split over two threads
+    (8, 32, 200, 64, 0.2, 3),     # the demo's width, slow decay
+    (3, 16, 70, 16, 5.0, 1),      # chunks of one diagonal block
+    (2, 48, 100, 128, 1.0, 1),    # the longest chunk the kernel takes
+])
+def test_kda_chunk_matches_numpy(heads, d, t_len, chunk, decay, parts):
+    """Two pieces in a row from a random state (the state carried between them): outputs and
+    state agree with numpy's chunked form. A decay of 5 takes a chunk's cumulative log decay
+    to ~-300, far below where e^G underflows."""
+    rng = np.random.default_rng(heads * 1000 + d + t_len)
+    body = (0.3 * rng.standard_normal((heads, d, d))).astype(np.float32)
+    reference, compiled = RecurrentState(body.copy()), RecurrentState(body.copy())
+    with ThreadPoolExecutor(parts) as pool:
+        for piece in range(2):
+            args = _kda_piece(rng, t_len, heads, d, decay)
+            want = _numpy_chunked(*args, reference, chunk=chunk)
+            assert native.kda_chunk_call(*(np.ascontiguousarray(a) for a in args),
+                                         compiled.body, chunk) is not None
+            got = kda_chunked(*args, compiled, chunk=chunk, pool=pool if parts > 1 else None,
+                              parts=parts)
+            assert np.isfinite(got).all()
+            assert _close(got, want) < TOL, piece
+            assert _close(compiled.value(), reference.value()) < TOL, piece
+
+
+@needs_kernel
+def test_kda_chunk_leaves_what_it_cannot_take_to_numpy():
+    """A head width the kernel does not take (not a multiple of 16) and a float64 state: no
+    call, the numpy path's result, the state untouched by the refusal."""
+    rng = np.random.default_rng(5)
+    args = [np.ascontiguousarray(a) for a in _kda_piece(rng, 40, 2, 24, 1.0)]
+    body = np.zeros((2, 24, 24), np.float32)
+    assert native.kda_chunk_call(*args, body, 64) is None
+    want = _numpy_chunked(*args, RecurrentState(body.copy()))
+    np.testing.assert_array_equal(kda_chunked(*args, RecurrentState(body.copy())), want)
+    args16 = [np.ascontiguousarray(a) for a in _kda_piece(rng, 40, 2, 16, 1.0)]
+    assert native.kda_chunk_call(*args16, np.zeros((2, 16, 16), np.float32), 64) is not None
+    assert native.kda_chunk_call(*args16, np.zeros((2, 16, 16)), 64) is None
+    assert native.kda_chunk_call(*args16, np.zeros((2, 16, 16), np.float32), 129) is None

@@ -10,6 +10,7 @@ See docs/model.md section 4.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import NamedTuple
 
@@ -260,26 +261,43 @@ def kda_chunked(
 
     Per chunk with in-chunk cumulative log decay G: solve (I + beta K Kdecay^T) for the
     corrected values, then read the output and roll the state forward once per chunk.
-    Heads are independent, so with a ``pool`` they are split into ``parts`` ranges
-    computed at the same time (numpy releases the GIL in its kernels).
+    Runs in the compiled kernel (``kda_chunk.c``) when it is available and takes the
+    shapes, else in numpy (the reference the kernel is tested against). Heads are
+    independent, so with a ``pool`` they are split into ``parts`` ranges computed at the
+    same time.
     """
     t_len, h, _ = k.shape
-    out = np.empty((t_len, h, v.shape[2]), dtype=np.float32)
     recurrent.fold()
     body = recurrent.body
-    if pool is None or parts < 2 or h < 2:
-        _chunked_heads(q, k, v, log_decay, beta, body, out, chunk)
-        return out
-    bounds = np.linspace(0, h, min(parts, h) + 1).astype(int).tolist()
-    ranges = [slice(a, b) for a, b in itertools.pairwise(bounds)]
-    futures = [pool.submit(_chunked_heads, q[:, sl], k[:, sl], v[:, sl], log_decay[:, sl],
-                           beta[:, sl], body[sl], out[:, sl], chunk) for sl in ranges[1:]]
-    sl = ranges[0]
-    _chunked_heads(q[:, sl], k[:, sl], v[:, sl], log_decay[:, sl], beta[:, sl], body[sl],
-                   out[:, sl], chunk)
+    def plain(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    call = native.kda_chunk_call(plain(q), plain(k), plain(v), plain(log_decay), plain(beta),
+                                 body, chunk)
+    if call is not None:
+        # the kernel refuses a shape before touching anything, the same for every share
+        _over_heads(call.run, h, pool, parts)
+        if not call.failed:
+            return call.out
+    out = np.empty((t_len, h, v.shape[2]), dtype=np.float32)
+    _over_heads(lambda a, b: _chunked_heads(q[:, a:b], k[:, a:b], v[:, a:b],
+                                            log_decay[:, a:b], beta[:, a:b], body[a:b],
+                                            out[:, a:b], chunk), h, pool, parts)
+    return out
+
+
+def _over_heads(run: Callable[[int, int], object], heads: int, pool: Executor | None,
+                parts: int) -> None:
+    """``run(a, b)`` for ranges of heads covering [0, heads): ``parts`` ranges at the same
+    time with a ``pool`` (the kernels and numpy release the GIL), else one call."""
+    if pool is None or parts < 2 or heads < 2:
+        run(0, heads)
+        return
+    bounds = np.linspace(0, heads, min(parts, heads) + 1).astype(int).tolist()
+    futures = [pool.submit(run, a, b) for a, b in itertools.pairwise(bounds[1:])]
+    run(bounds[0], bounds[1])
     for f in futures:
         f.result()
-    return out
 
 
 def _chunked_heads(q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.ndarray,
@@ -360,15 +378,7 @@ def kda_decode(qkv: np.ndarray, tail: np.ndarray, taps: np.ndarray, log_decay: n
         RecurrentState.FOLD_ROWS_BELOW)
     if call is None:
         return None
-    heads = call.heads
-    if pool is None or parts < 2 or heads < 2:
-        call.run(0, heads)
-    else:
-        bounds = np.linspace(0, heads, min(parts, heads) + 1).astype(int).tolist()
-        futures = [pool.submit(call.run, a, b) for a, b in itertools.pairwise(bounds[1:])]
-        call.run(bounds[0], bounds[1])
-        for f in futures:
-            f.result()
+    _over_heads(call.run, call.heads, pool, parts)
     state.kernel_step_done()
     return call.out[None]
 

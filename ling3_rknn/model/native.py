@@ -1,4 +1,5 @@
-"""The compiled glue kernels (``mla_attention.c``, ``kda_decode.c``), loaded here.
+"""The compiled glue kernels (``mla_attention.c``, ``kda_decode.c``, ``kda_chunk.c``), loaded
+here.
 
 They are built when the package is installed (``ling3-rknn build-kernels``, run by ``make
 venv`` and the board guide's install step: ``native_build.py``), for that machine's CPU,
@@ -33,6 +34,9 @@ _MLA_GROUP = abi().constants["LING3_MLA_GROUP"]  # rows scored together
 _MLA_SCRATCH_ROWS = _MLA_GROUP + 2  # the decode kernel's scratch per head (native_abi.h)
 _LANES = abi().constants["LING3_LANES"]  # query columns per prefill tile (the vector lanes)
 _TILE_BLOCK = abi().constants["LING3_MLA_TILE_BLOCK"]  # prefill tiles sharing a row group
+_KDA_SUB = abi().constants["LING3_KDA_SUB"]
+_KDA_MAX_CHUNK = abi().constants["LING3_KDA_MAX_CHUNK"]
+_KDA_D_MULTIPLE = abi().constants["LING3_KDA_D_MULTIPLE"]
 
 _library: Any = None  # the ctypes library, once loaded
 _loaded = False
@@ -278,3 +282,49 @@ def kda_decode_call(qkv: np.ndarray, tail: np.ndarray, taps: np.ndarray,
         return None
     return KdaDecodeCall(lib, qkv, tail, taps, log_decay, beta, body, scale, keys, deltas,
                          pending, fold_below, fold_rows_below)
+
+
+class KdaChunkCall:
+    """A KDA layer's prefill piece for ``kda_chunk.c``: the arrays checked once, then
+    ``run(h0, h1)`` per share of the heads (each share may run on its own thread; heads
+    touch disjoint state and output channels)."""
+
+    def __init__(self, lib: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 log_decay: np.ndarray, beta: np.ndarray, state: np.ndarray, chunk: int
+                 ) -> None:
+        self._lib = lib
+        self._args = (q, k, v, log_decay, beta, state)
+        self.t_len, self.heads, self.d = k.shape
+        self._chunk = chunk
+        self.out = np.empty_like(v)
+        self.failed = False
+
+    def run(self, h0: int, h1: int) -> None:
+        """Heads [h0, h1)."""
+        q, k, v, log_decay, beta, state = self._args
+        d, c = self.d, self._chunk
+        scratch = np.empty(c * (5 * d + 2 * c + 1) + (_KDA_SUB + 2) * d, dtype=np.float32)
+        status = self._lib.kda_chunk_heads(
+            q.ctypes.data, k.ctypes.data, v.ctypes.data, log_decay.ctypes.data,
+            beta.ctypes.data, self.t_len, self.heads, d, c, state.ctypes.data,
+            self.out.ctypes.data, h0, h1, scratch.ctypes.data)
+        if status != 0:
+            self.failed = True
+
+
+def kda_chunk_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.ndarray,
+                   beta: np.ndarray, state: np.ndarray, chunk: int) -> KdaChunkCall | None:
+    """A ready ``KdaChunkCall`` for q, k, v, log_decay [T, heads, d], beta [T, heads] and the
+    state body [heads, d, d], or None when the kernel is off or cannot take them (not plain
+    C-ordered float32, another shape, a head width or chunk it does not take): the caller
+    then takes the numpy path."""
+    lib = _load() if _enabled else None
+    if lib is None or k.ndim != 3:
+        return None
+    t_len, heads, d = k.shape
+    shapes_fit = (q.shape == k.shape == v.shape == log_decay.shape and t_len > 0
+                  and beta.shape == (t_len, heads) and state.shape == (heads, d, d)
+                  and d % _KDA_D_MULTIPLE == 0 and 1 <= chunk <= _KDA_MAX_CHUNK)
+    if not shapes_fit or not _plain(q, k, v, log_decay, beta, state):
+        return None
+    return KdaChunkCall(lib, q, k, v, log_decay, beta, state, chunk)

@@ -12,7 +12,7 @@
 
 /* Bumped with every change to a kernel's signature or meaning: native.py refuses a library
  * whose number differs (one built from older sources), instead of calling it wrongly. */
-#define LING3_NATIVE_ABI 4
+#define LING3_NATIVE_ABI 5
 
 /* Floats per vector (vf16, native_vec.h): the 16 heads of Ling-3.0-tiny's MLA and the query
  * columns of one prefill tile. */
@@ -21,6 +21,13 @@
 #define LING3_MLA_GROUP 64
 /* Prefill tiles sharing each group of rows: 4 x 32 KB of context plus the rows. */
 #define LING3_MLA_TILE_BLOCK 4
+
+/* kda_chunk.c: rows per diagonal block of a chunk whose decay factors are formed pairwise. */
+#define LING3_KDA_SUB 16
+/* kda_chunk.c: the longest chunk and the head width it takes (16: the same shapes on every
+ * vector width). */
+#define LING3_KDA_MAX_CHUNK 128
+#define LING3_KDA_D_MULTIPLE 16
 
 /* LING3_NATIVE_ABI as compiled into the library. */
 int ling3_native_abi(void);
@@ -49,5 +56,12 @@ int kda_decode_heads(const float *qkv, float *tail, const float *taps, int k, in
                      const float *log_decay, const float *beta, float *body, float *scale,
                      float *keys, float *deltas, int queue, int pending, float fold_below,
                      float fold_rows_below, float *out, int h0, int h1, float *scratch);
+
+/* kda_chunk.c: a prefill piece of a KDA layer (the chunked delta rule) for heads [h0, h1),
+ * the state updated in place. scratch: chunk * (5 * d + 2 * chunk + 1) + (LING3_KDA_SUB + 2)
+ * * d floats. Returns 0, or -1 for a shape it does not take (nothing touched). */
+int kda_chunk_heads(const float *q, const float *k, const float *v, const float *log_decay,
+                    const float *beta, int t_len, int heads, int d, int chunk, float *state,
+                    float *out, int h0, int h1, float *scratch);
 
 #endif

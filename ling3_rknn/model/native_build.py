@@ -1,11 +1,11 @@
 """Building the decode kernels for the machine that installs the package.
 
 ``ling3-rknn build-kernels`` (run by ``make venv`` and by the board guide's install step,
-after ``pip install``) compiles ``mla_attention.c``, ``kda_decode.c`` and ``native_info.c``
-with the machine's C compiler into ``ling3-native.so`` in the install's kernel directory,
-next to a manifest (``ling3-native.json``) saying what it was built from and for. The
-service (``native.py``) only loads that pair and checks the manifest; it never runs a
-compiler, so a hardened unit neither needs gcc nor writes and loads code of its own.
+after ``pip install``) compiles the kernels' C files (``SOURCES``) with the machine's C
+compiler into ``ling3-native.so`` in the install's kernel directory, next to a manifest
+(``ling3-native.json``) saying what it was built from and for. The service (``native.py``)
+only loads that pair and checks the manifest; it never runs a compiler, so a hardened unit
+neither needs gcc nor writes and loads code of its own.
 
 Why an explicit step and not a setuptools extension: a wheel is built once and installed
 elsewhere (PyPI; the aarch64 tier builds it on x86), and ``-march=native`` must see the
@@ -36,7 +36,7 @@ from pathlib import Path
 from .native_abi import HEADER, abi
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("mla_attention.c", "kda_decode.c", "native_info.c")
+SOURCES = ("mla_attention.c", "kda_decode.c", "kda_chunk.c", "native_info.c")
 HEADERS = ("native_vec.h", HEADER.name)
 LIBRARY = "ling3-native.so"
 MANIFEST = "ling3-native.json"
