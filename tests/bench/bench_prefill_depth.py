@@ -7,7 +7,10 @@ Three measurements, one run (ratios within a run are what count on a shared host
    64-token chunk over 4K and 16K cache rows, one thread: GFLOP/s of the compiled prefill kernel
    (``mla_attention.c``'s ``mla_prefill_attend``) and of the numpy path, against a square
    float32 GEMM through numpy's BLAS in the same process (this host's sgemm rate as numpy is
-   configured here). Best of ``--rounds``.
+   configured here). Best of ``--rounds``. Beside it the **KDA chunk kernel**
+   (``kda_chunk.c``) at Ling-3.0-tiny's KDA size (16 heads x 128) on a 256-token piece, one
+   thread, against numpy's chunked form: GFLOP/s of the WY form's arithmetic and ms per
+   prompt token and layer.
 2. **A long random prompt** (``--tokens``, default 16,384) through ``Model.forward`` in the
    engine's 64-token chunks on a bundle (default: the embedded demo): tok/s per band of
    ``--band`` tokens (the curve, not the average) and, per band, ms per token in the stage
@@ -91,6 +94,46 @@ def kernel_figures(rounds: int) -> list[dict[str, Any]]:
                          "numpy_gflops": numpy_rate, "sgemm_gflops": sgemm,
                          "kernel_vs_sgemm": compiled / sgemm})
     return rows
+
+
+def kda_chunk_flop(c: int, d: int) -> float:
+    """FLOPs of one head's chunk of c rows in the WY form (docs/model.md 4.5): the decayed
+    pair products (KK, QK), the forward substitution over [U | W], W S, (q e^G) S, QK V'
+    and the state update."""
+    pairs = c * (c + 1) / 2
+    macs = 2 * pairs * d + (c * (c - 1) / 2) * 2 * d + 3 * c * d * d + pairs * d
+    return 2.0 * macs
+
+
+def kda_figures(rounds: int, tokens: int = 256) -> dict[str, Any]:
+    from ling3_rknn.model.kda import CHUNK as KDA_CHUNK
+    from ling3_rknn.model.kda import RecurrentState, kda_chunked
+
+    rng = np.random.default_rng(1)
+    heads, d = 16, 128
+    q = (rng.standard_normal((tokens, heads, d), dtype=np.float32) / d**0.5).astype(np.float32)
+    k = rng.standard_normal((tokens, heads, d), dtype=np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((tokens, heads, d), dtype=np.float32)
+    log_decay = (-0.1 * np.abs(rng.standard_normal((tokens, heads, d)))).astype(np.float32)
+    beta = rng.random((tokens, heads), dtype=np.float32)
+    state = RecurrentState.zeros((heads, d, d))
+    flop = heads * (tokens // KDA_CHUNK) * kda_chunk_flop(KDA_CHUNK, d)
+
+    def piece() -> Any:
+        return kda_chunked(q, k, v, log_decay, beta, state)
+
+    with threadpool_limits(1):
+        compiled = _gflops(piece, flop, rounds)
+        native.set_enabled(False)
+        try:
+            numpy_rate = _gflops(piece, flop, rounds)
+        finally:
+            native.set_enabled(True)
+    per_token = flop / tokens / 1e9 * 1e3  # ms per token at 1 GFLOP/s
+    return {"heads": heads, "d": d, "tokens": tokens, "kernel_gflops": compiled,
+            "numpy_gflops": numpy_rate, "kernel_ms_per_token": per_token / compiled,
+            "numpy_ms_per_token": per_token / numpy_rate}
 
 
 class _Timed:
@@ -199,6 +242,12 @@ def main() -> None:
     for row in result["kernel"]:
         print(f"{row['cache_rows']:>10} {row['kernel_gflops']:>16.1f} {row['numpy_gflops']:>15.1f}"
               f" {row['sgemm_gflops']:>15.1f} {row['kernel_vs_sgemm']:>14.2f}")
+    kda = result["kda_kernel"] = kda_figures(args.rounds)
+    sgemm = result["kernel"][-1]["sgemm_gflops"]
+    print(f"\nKDA chunk, {kda['heads']} x {kda['d']}: kernel {kda['kernel_gflops']:.1f} GFLOP/s "
+          f"({kda['kernel_ms_per_token']:.3f} ms per token and layer), numpy "
+          f"{kda['numpy_gflops']:.1f} ({kda['numpy_ms_per_token']:.3f}); kernel/sgemm "
+          f"{kda['kernel_gflops'] / sgemm:.2f}")
     bundle = args.bundle or bundle_dir()
     model = Model.from_bundle(bundle, threads=policy.threads, verify="size")
     default_scratch = model.prefill_scratch_bytes
