@@ -85,13 +85,15 @@ def test_recurrence_matches_literal_delta_rule(strength):
     np.testing.assert_allclose(s.value(), ref, atol=2e-5)
 
 
-def test_decode_prefill_decode_with_snapshots_matches_literal():
+@pytest.mark.parametrize("d", [8, 16], ids=["numpy-width", "kernel-width"])
+def test_decode_prefill_decode_with_snapshots_matches_literal(d):
     """The engine's pattern: decode steps (corrections queued), a snapshot mid-queue, a
     chunked prefill piece (which must apply the queue first), more decode; and a state
-    restored from the snapshot continues identically."""
+    restored from the snapshot continues identically. At d = 16 the compiled chunk kernel
+    (where built) takes the pieces of 5 tokens and more; at 8 it refuses them."""
     rng = np.random.default_rng(7)
-    h, d = 2, 8
-    pieces = [1, 1, 1, 20, 1, 1, 70, 1]
+    h = 2
+    pieces = [1, 1, 1, 20, 1, 1, 5, 1, 70, 1]
     t_len = sum(pieces)
     q, k, v, _, beta = kda_inputs(rng, t_len, h=h, d=d)
     g = (-0.5 * rng.random((t_len, h, d))).astype(F32)
