@@ -67,6 +67,17 @@ def _gflops(fn: Callable[[], Any], flop: float, rounds: int) -> float:
     return flop / best / 1e9
 
 
+def _compiled_and_numpy(fn: Callable[[], Any], flop: float, rounds: int
+                        ) -> tuple[float, float]:
+    """GFLOP/s of ``fn`` with the compiled kernels, then with numpy's glue."""
+    compiled = _gflops(fn, flop, rounds)
+    native.set_enabled(False)
+    try:
+        return compiled, _gflops(fn, flop, rounds)
+    finally:
+        native.set_enabled(True)
+
+
 def kernel_figures(rounds: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     heads, r, rope = 16, 512, 64
@@ -83,12 +94,7 @@ def kernel_figures(rounds: int) -> list[dict[str, Any]]:
             def attend(q_lat=q_lat, q_rope=q_rope, blocks=blocks, depth=depth) -> Any:
                 return mla.mla_attention(q_lat, q_rope, blocks, depth, 0.05)
 
-            compiled = _gflops(attend, flop, rounds)
-            native.set_enabled(False)
-            try:
-                numpy_rate = _gflops(attend, flop, rounds)
-            finally:
-                native.set_enabled(True)
+            compiled, numpy_rate = _compiled_and_numpy(attend, flop, rounds)
             sgemm = _gflops(lambda: square @ square, 2.0 * 1024**3, rounds)
             rows.append({"cache_rows": depth, "kernel_gflops": compiled,
                          "numpy_gflops": numpy_rate, "sgemm_gflops": sgemm,
@@ -124,12 +130,7 @@ def kda_figures(rounds: int, tokens: int = 256) -> dict[str, Any]:
         return kda_chunked(q, k, v, log_decay, beta, state)
 
     with threadpool_limits(1):
-        compiled = _gflops(piece, flop, rounds)
-        native.set_enabled(False)
-        try:
-            numpy_rate = _gflops(piece, flop, rounds)
-        finally:
-            native.set_enabled(True)
+        compiled, numpy_rate = _compiled_and_numpy(piece, flop, rounds)
     per_token = flop / tokens / 1e9 * 1e3  # ms per token at 1 GFLOP/s
     return {"heads": heads, "d": d, "tokens": tokens, "kernel_gflops": compiled,
             "numpy_gflops": numpy_rate, "kernel_ms_per_token": per_token / compiled,
