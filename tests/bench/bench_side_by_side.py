@@ -90,7 +90,7 @@ llama-cpp-python 0.3.36 source distribution, ggml 0.25.3, built as above; tok/s)
     decode @12288          19.1        9.6   1.99
     peak RSS MiB           1204        750   1.60
 
-    project ms per decoded token: total = stages / experts / glue (kda / mla / route / other)
+    project ms per token: total = stages / experts / glue (kda / mla / route / other)
     @512     40.8 = 23.1 / 12.6 /  5.1 (2.2 /  1.6 / 0.5 / 0.8)
     @4096    45.2 = 22.2 / 12.0 / 11.1 (2.1 /  7.7 / 0.5 / 0.8)
     @12288   52.3 = 19.3 / 10.5 / 22.5 (1.9 / 19.5 / 0.4 / 0.7)
@@ -415,6 +415,19 @@ def install_timers(model) -> _Timers:
     return timers
 
 
+def split_ms(seconds: dict[str, float], total_s: float, tokens: int) -> dict[str, float]:
+    """Per-token milliseconds by part: stages, experts, and the glue (the rest of the
+    wall time) with its KDA, MLA and routing shares."""
+    ms = {k: 1e3 * v / tokens for k, v in seconds.items()}
+    stages, experts = ms.get("stages", 0.0), ms.get("experts", 0.0)
+    glue = 1e3 * total_s / tokens - stages - experts
+    parts = {"stages": stages, "experts": experts, "glue": glue,
+             "glue_kda": ms.get("glue_kda", 0.0), "glue_mla": ms.get("glue_mla", 0.0),
+             "glue_route": ms.get("glue_route", 0.0)}
+    parts["glue_other"] = glue - parts["glue_kda"] - parts["glue_mla"] - parts["glue_route"]
+    return parts
+
+
 def measure_project(bundle: str, threads: int, prompt: int, contexts: list[int],
                     decode_tokens: int, chunk: int, seed: int,
                     depths: list[int] | None = None) -> dict[str, Any]:
@@ -454,13 +467,16 @@ def measure_project(bundle: str, threads: int, prompt: int, contexts: list[int],
 
     timers = install_timers(model)
     state = model.new_state()
+    timers.on = True
     t0 = time.perf_counter()
     logits = feed(rng.integers(2, vocab, prompt), state)
     prefill_s = time.perf_counter() - t0
+    timers.on = False
     res: dict[str, Any] = {
         "threads": threads, "thread_policy": policy, "load_s": load_s,
         "prefill": {"tokens": prompt, "chunk": chunk, "seconds": prefill_s,
-                    "tok_s": prompt / prefill_s},
+                    "tok_s": prompt / prefill_s,
+                    "ms_per_token": split_ms(timers.seconds, prefill_s, prompt)},
         "decode": [], "fill": [],
     }
     for ctx in contexts:
@@ -482,16 +498,10 @@ def measure_project(bundle: str, threads: int, prompt: int, contexts: list[int],
             steps.append(time.perf_counter() - t0)
         timers.on = False
         total = sum(steps)
-        ms = {k: 1e3 * v / decode_tokens for k, v in timers.seconds.items()}
-        stages, experts = ms.get("stages", 0.0), ms.get("experts", 0.0)
-        glue = 1e3 * total / decode_tokens - stages - experts
-        parts = {"stages": stages, "experts": experts, "glue": glue,
-                 "glue_kda": ms.get("glue_kda", 0.0), "glue_mla": ms.get("glue_mla", 0.0),
-                 "glue_route": ms.get("glue_route", 0.0)}
-        parts["glue_other"] = glue - parts["glue_kda"] - parts["glue_mla"] - parts["glue_route"]
         res["decode"].append({
             "context": ctx, "start": start, "tokens": decode_tokens, "tok_s": decode_tokens / total,
-            "ms_per_token_median": 1e3 * statistics.median(steps), "ms_per_token": parts,
+            "ms_per_token_median": 1e3 * statistics.median(steps),
+            "ms_per_token": split_ms(timers.seconds, total, decode_tokens),
         })
     res["prefill_depth"] = []
     depth_state = model.new_state()  # a piece of ``prompt`` tokens after D, as llama-bench -d D
@@ -546,6 +556,12 @@ def run_llama(bench: Path, gguf: Path, threads: int, args: argparse.Namespace) -
 
 
 # ------------------------------------------------------------------------------ reporting
+def _print_split(label: str, tok_s: float, m: dict[str, float]) -> None:
+    print(f"  {label:<14} {1e3 / tok_s:7.1f} ms = {m['stages']:6.1f} / {m['experts']:6.1f} / "
+          f"{m['glue']:6.1f} ({m['glue_kda']:.1f} / {m['glue_mla']:.1f} / "
+          f"{m['glue_route']:.1f} / {m['glue_other']:.1f})")
+
+
 def best(rounds: list[dict[str, Any]], key) -> float | None:
     vals = [v for v in (key(r) for r in rounds) if v is not None]
     return max(vals) if vals else None
@@ -597,17 +613,17 @@ def print_report(results: dict[str, Any]) -> None:
         if with_llama:
             line += f" {fmt(row['llama']):>10} {fmt(row['ratio'], 2):>7}"
         print(line)
-    print("\nproject ms per decoded token (best round): stages / experts / glue "
+    print("\nproject ms per token (best round): stages / experts / glue "
           "(kda / mla / route / other)")
     for threads in results["threads"]:
         proj = [r for r in results["project"] if r["threads"] == threads]
+        first = max((r["prefill"] for r in proj), key=lambda p: p["tok_s"])
+        if "ms_per_token" in first:
+            _print_split(f"t={threads} prefill", first["tok_s"], first["ms_per_token"])
         for ctx in results["contexts"]:
             runs = [d for r in proj for d in r["decode"] if d["context"] == ctx]
             d = max(runs, key=lambda d: d["tok_s"])
-            m = d["ms_per_token"]
-            print(f"  t={threads} @{ctx:<6} {1e3 / d['tok_s']:7.1f} ms = {m['stages']:6.1f} / "
-                  f"{m['experts']:6.1f} / {m['glue']:6.1f} ({m['glue_kda']:.1f} / "
-                  f"{m['glue_mla']:.1f} / {m['glue_route']:.1f} / {m['glue_other']:.1f})")
+            _print_split(f"t={threads} @{ctx}", d["tok_s"], d["ms_per_token"])
     if with_llama:
         b = results["llama"][0]["build"]
         print(f"\nllama.cpp: build {b.get('build_commit')} ({b.get('build_number')}), "
