@@ -57,6 +57,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # (regenerate with tests/oracle/make_fixtures.py).
 ORACLE_DIR = FIXTURES / "oracle"
 ORACLE_FIXTURES = ("lora_hfsave", "plainq_released", "lora_hfmodule_bf16")
+# The widths the compiled kernels take (16 heads, KDA head dim 16): the model oracle only
+# (the converter's tests gain nothing from a fourth spelling of the same files).
+KERNEL_WIDTHS_FIXTURE = "kernel_widths"
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,9 @@
 
 Every fixture is checked for: one whole-sequence call, prefill in uneven pieces, prefill +
 token-by-token decode, snapshot/restore mid-sequence, the to_arrays/from_arrays round trip,
-and greedy generation. Tolerance 1e-4 max abs (float32 on both sides).
+and greedy generation. Tolerance 1e-4 max abs (float32 on both sides). The
+``kernel_widths`` fixture has the widths the compiled kernels take, so where they are built
+it holds them (KDA chunks, the KDA decode step, MLA attention) to transformers as well.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import ORACLE_DIR, ORACLE_FIXTURES
+from conftest import KERNEL_WIDTHS_FIXTURE, ORACLE_DIR, ORACLE_FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +23,7 @@ from ling3_rknn.model import Model, StateSnapshot
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=ORACLE_FIXTURES)
+@pytest.fixture(scope="module", params=(*ORACLE_FIXTURES, KERNEL_WIDTHS_FIXTURE))
 def oracle(request):
     path = ORACLE_DIR / request.param
     with np.load(path / "reference.npz") as ref:

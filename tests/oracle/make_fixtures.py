@@ -17,6 +17,12 @@ spellings the loader must accept:
   ``conv1d``, merged ``experts.gate_up_proj``/``down_proj``, ``e_score_correction_bias``),
   weights stored as bfloat16 (the model is rounded to bf16 first, so the fp32 reference is exact),
   ``norm_topk_prob: false`` and a two-layer hybrid group.
+- ``kernel_widths``: 16 heads and a KDA head dim of 16, the widths the compiled kernels
+  take (``kda_chunk.c``, ``kda_decode.c``'s vector path, ``mla_attention.c``'s 16-head
+  lanes), so the oracle holds the compiled glue too; the others' widths (12, 4 heads) run
+  the numpy glue.
+
+``make_fixtures.py NAME...`` writes only the named fixtures (each keeps its seed).
 
 Every fixture is reloaded with ``from_pretrained`` and must reproduce the reference logits
 bit-for-bit, so the files on disk are exactly the model that produced the numbers.
@@ -97,6 +103,13 @@ FIXTURES = {
         topk_group=1,
         norm_topk_prob=False,
         routed_scaling_factor=1.5,
+    ),
+    "kernel_widths": dict(
+        BASE,
+        q_lora_rank=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=16,
     ),
 }
 
@@ -262,13 +275,19 @@ WRITERS = {
     "lora_hfsave": write_hfsave,
     "plainq_released": write_released,
     "lora_hfmodule_bf16": write_module_bf16,
+    "kernel_widths": write_hfsave,
 }
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     assert transformers.__version__ == "5.24.0", transformers.__version__
+    unknown = set(argv) - set(FIXTURES)
+    if unknown:
+        raise SystemExit(f"no such fixture: {', '.join(sorted(unknown))}")
     torch.set_num_threads(1)  # deterministic reductions
     for seed, (name, kwargs) in enumerate(FIXTURES.items()):
+        if argv and name not in argv:
+            continue
         print(name)
         model = build(name, kwargs, seed)
         ref = reference(model, seed + 100)
@@ -287,4 +306,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
