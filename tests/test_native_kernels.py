@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from ling3_rknn.model import kda as kda_module
 from ling3_rknn.model import mla, native, native_build
 from ling3_rknn.model.kda import (
     RecurrentState,
@@ -302,6 +303,10 @@ def _kda_piece(rng: np.random.Generator, t_len: int, heads: int, d: int, decay: 
     return q, k, v, log_decay, beta
 
 
+def _no_numpy(*args, **kwargs) -> None:
+    raise AssertionError("numpy's chunked form ran where the kernel should have")
+
+
 def _numpy_chunked(*args, **kwargs) -> np.ndarray:
     native.set_enabled(False)
     try:
@@ -318,10 +323,11 @@ def _numpy_chunked(*args, **kwargs) -> np.ndarray:
     (3, 16, 70, 16, 5.0, 1),      # chunks of one diagonal block
     (2, 48, 100, 128, 1.0, 1),    # the longest chunk the kernel takes
 ])
-def test_kda_chunk_matches_numpy(heads, d, t_len, chunk, decay, parts):
+def test_kda_chunk_matches_numpy(heads, d, t_len, chunk, decay, parts, monkeypatch):
     """Two pieces in a row from a random state (the state carried between them): outputs and
     state agree with numpy's chunked form. A decay of 5 takes a chunk's cumulative log decay
-    to ~-300, far below where e^G underflows."""
+    to ~-300, far below where e^G underflows. numpy's chunked heads are switched off for the
+    compiled call, so a quiet fallback cannot pass for the kernel."""
     rng = np.random.default_rng(heads * 1000 + d + t_len)
     body = (0.3 * rng.standard_normal((heads, d, d))).astype(np.float32)
     reference, compiled = RecurrentState(body.copy()), RecurrentState(body.copy())
@@ -329,10 +335,10 @@ def test_kda_chunk_matches_numpy(heads, d, t_len, chunk, decay, parts):
         for piece in range(2):
             args = _kda_piece(rng, t_len, heads, d, decay)
             want = _numpy_chunked(*args, reference, chunk=chunk)
-            assert native.kda_chunk_call(*(np.ascontiguousarray(a) for a in args),
-                                         compiled.body, chunk) is not None
-            got = kda_chunked(*args, compiled, chunk=chunk, pool=pool if parts > 1 else None,
-                              parts=parts)
+            with monkeypatch.context() as patch:
+                patch.setattr(kda_module, "_chunked_heads", _no_numpy)
+                got = kda_chunked(*args, compiled, chunk=chunk,
+                                  pool=pool if parts > 1 else None, parts=parts)
             assert np.isfinite(got).all()
             assert _close(got, want) < TOL, piece
             assert _close(compiled.value(), reference.value()) < TOL, piece
@@ -352,3 +358,18 @@ def test_kda_chunk_leaves_what_it_cannot_take_to_numpy():
     assert native.kda_chunk_call(*args16, np.zeros((2, 16, 16), np.float32), 64) is not None
     assert native.kda_chunk_call(*args16, np.zeros((2, 16, 16)), 64) is None
     assert native.kda_chunk_call(*args16, np.zeros((2, 16, 16), np.float32), 129) is None
+    assert not native.kda_chunk_takes(24, 64) and not native.kda_chunk_takes(16, 0)
+
+
+@needs_kernel
+def test_kda_chunk_kernel_refuses_before_touching_anything():
+    """The C side's own check (a chunk of 0 here, which the binding never passes): -1, the
+    state as it was."""
+    rng = np.random.default_rng(6)
+    args = [np.ascontiguousarray(a) for a in _kda_piece(rng, 20, 2, 16, 1.0)]
+    state = rng.standard_normal((2, 16, 16)).astype(np.float32)
+    before = state.copy()
+    call = native.KdaChunkCall(native._load(), *args, state, 0)
+    call.run(0, 2)
+    assert call.failed
+    np.testing.assert_array_equal(state, before)

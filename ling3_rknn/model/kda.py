@@ -399,7 +399,8 @@ def kda_core(
 ) -> np.ndarray:
     """Chunked form for prefill pieces (heads split over ``pool`` when given), plain
     recurrence for decode and short pieces."""
-    shortest = _MIN_CHUNKED_TOKENS_COMPILED if native.available() else _MIN_CHUNKED_TOKENS
+    compiled = native.kda_chunk_takes(k.shape[2], CHUNK)
+    shortest = _MIN_CHUNKED_TOKENS_COMPILED if compiled else _MIN_CHUNKED_TOKENS
     if q.shape[0] >= shortest:
         return kda_chunked(q, k, v, log_decay, beta, state, pool=pool, parts=parts)
     return kda_recurrent(q, k, v, log_decay, beta, state)

@@ -318,13 +318,18 @@ def kda_chunk_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.nd
     state body [heads, d, d], or None when the kernel is off or cannot take them (not plain
     C-ordered float32, another shape, a head width or chunk it does not take): the caller
     then takes the numpy path."""
-    lib = _load() if _enabled else None
-    if lib is None or k.ndim != 3:
+    if k.ndim != 3 or not kda_chunk_takes(k.shape[2], chunk):
         return None
     t_len, heads, d = k.shape
     shapes_fit = (q.shape == k.shape == v.shape == log_decay.shape and t_len > 0
-                  and beta.shape == (t_len, heads) and state.shape == (heads, d, d)
-                  and d % _KDA_D_MULTIPLE == 0 and 1 <= chunk <= _KDA_MAX_CHUNK)
+                  and beta.shape == (t_len, heads) and state.shape == (heads, d, d))
     if not shapes_fit or not _plain(q, k, v, log_decay, beta, state):
         return None
-    return KdaChunkCall(lib, q, k, v, log_decay, beta, state, chunk)
+    return KdaChunkCall(_load(), q, k, v, log_decay, beta, state, chunk)
+
+
+def kda_chunk_takes(d: int, chunk: int) -> bool:
+    """Whether ``kda_chunk.c`` runs pieces of heads ``d`` wide in chunks of ``chunk``: the
+    kernel is on and loaded and the widths are ones it takes."""
+    return (_enabled and d > 0 and d % _KDA_D_MULTIPLE == 0 and 1 <= chunk <= _KDA_MAX_CHUNK
+            and _load() is not None)
