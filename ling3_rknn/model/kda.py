@@ -276,8 +276,10 @@ def kda_chunked(
     def plain(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=np.float32)
 
-    call = native.kda_chunk_call(plain(q), plain(k), plain(v), plain(log_decay), plain(beta),
-                                 body, chunk)
+    # the contiguous copies only where the kernel takes the width (numpy reads the views)
+    call = (native.kda_chunk_call(plain(q), plain(k), plain(v), plain(log_decay), plain(beta),
+                                  body, chunk)
+            if native.kda_chunk_takes(k.shape[2], chunk) else None)
     if call is not None:
         # the kernel refuses a shape before touching anything, the same for every share
         _over_heads(call.run, h, pool, parts)
