@@ -9,6 +9,7 @@ schema-valid arguments and the content never holds call markup; a forced call cu
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -218,3 +219,47 @@ def test_the_ban_is_one_cached_row(tok):
     assert np.isneginf(masked[tok.special_ids["<tool_call>"]]) and masked[100] == 0
     assert not np.isneginf(logits).any()  # the row it was given is untouched
     assert rows.row(ban._ids, tok.vocab_size) is rows.row(ban._ids, tok.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def thinker(tiny, tok):
+    """A model that keeps writing reasoning markers unless something stops it."""
+    tempted = Tempted(tiny, [tok.special_ids[m] for m in (markers.THINK_OPEN,
+                                                          markers.THINK_CLOSE)], 6.0)
+    with Engine(tempted, tok, EngineOptions(model_id="tiny", max_context=2048)) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("tools", [None, "auto", "none"])
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+async def test_reasoning_markers_are_spent_by_the_prompt(thinker, thinking, tools):
+    """The generation prompt opens the reasoning (thinking off: opens and closes it), so
+    an answer never opens it again and closes it at most once, whatever the model wants;
+    no reasoning marker reaches the content (a demo answer leaked ``</think>``)."""
+    body = {"messages": [{"role": "user", "content": "Weather in Porto?"}],
+            "max_tokens": 48, "reasoning_effort": None if thinking else "none"}
+    if tools:
+        body.update(tools=TOOLS, tool_choice=tools)
+    closes = 0
+    for seed in range(3):
+        finished, texts, _ = await answer(thinker, {**body, "temperature": 0.8, "seed": seed})
+        assert markers.THINK_OPEN not in finished.text
+        closes += finished.text.count(markers.THINK_CLOSE)
+        assert finished.text.count(markers.THINK_CLOSE) <= (1 if thinking else 0)
+        for delta in texts:  # the reasoning and content the client sees
+            assert markers.THINK_CLOSE not in delta and markers.THINK_OPEN not in delta
+    if thinking:
+        assert closes >= 1  # the temptation works: the one close was taken
+
+
+async def test_the_thinker_would_repeat_reasoning_markers(thinker, tok):
+    """Unguarded (a request with no marker lists), the tempted model writes reasoning
+    markers again and again, so the test above proves the guard."""
+    request = parse_chat_request({"model": "tiny", "max_tokens": 48, "temperature": 0.8,
+                                  "seed": 0, "messages": [{"role": "user", "content": "Hi"}]})
+    raw = dataclasses.replace(generation_request(request, render_prompt(request)),
+                              banned_markers=(), once_markers=())
+    events = [e async for e in thinker.generate(raw)]
+    await thinker.idle()
+    text = events[-1].text
+    assert text.count(markers.THINK_CLOSE) + text.count(markers.THINK_OPEN) >= 2, text

@@ -111,6 +111,9 @@ class GenerationRequest:
     # Markers (special-token spellings) never sampled in this answer, or, with a lazy
     # grammar, never before its trigger: the call markers where no call is possible.
     banned_markers: Sequence[str] = ()
+    # Markers sampled at most once in this answer (before a lazy grammar's trigger): the
+    # reasoning's close, where the generation prompt opened the reasoning.
+    once_markers: Sequence[str] = ()
 
 
 class EngineError(Exception):

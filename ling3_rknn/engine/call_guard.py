@@ -5,7 +5,8 @@ Two per-token constraints with ``TokenConstraint``'s interface (``mask``, ``adva
 
 * ``MarkerBan``: tokens that may never be sampled in this answer (with no tools, or under
   ``tool_choice: "none"``, every call marker; before a lazy grammar's trigger, the markers
-  that only belong inside a call). One cached 0 / -inf row added to the logits row.
+  that only belong inside a call; the reasoning markers the prompt already spent) or only
+  once (the reasoning's close). One cached 0 / -inf row added to the logits row.
 * ``LazyCalls``: free text (under a ``MarkerBan``) until the model samples the trigger (the
   call-opening marker); from there on the turn follows the grammar, whose first token is
   that trigger, exactly as a ``required`` turn would after its reasoning.
@@ -46,13 +47,15 @@ class BanRows:
 
 
 class MarkerBan:
-    """Never sample ``ids``; nothing else changes."""
+    """Never sample ``ids``, and each of ``once`` at most once (the reasoning's closing
+    marker, which the generation prompt opened); nothing else changes."""
 
     cut_by_bound = False
 
-    def __init__(self, rows: BanRows, ids: Iterable[int]) -> None:
+    def __init__(self, rows: BanRows, ids: Iterable[int], once: Iterable[int] = ()) -> None:
         self._rows = rows
         self._ids = tuple(sorted(set(ids)))
+        self._once = frozenset(once) - set(self._ids)
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of ``logits`` with the banned ids at -inf (one add over the row)."""
@@ -61,6 +64,9 @@ class MarkerBan:
         return logits + self._rows.row(self._ids, logits.shape[0])
 
     def advance(self, token_id: int) -> list[int]:
+        if token_id in self._once:
+            self._once -= {token_id}
+            self._ids = tuple(sorted({*self._ids, token_id}))
         return []
 
 
@@ -95,7 +101,7 @@ class LazyCalls:
     def advance(self, token_id: int) -> list[int]:
         if not self.triggered:
             if token_id != self._trigger:
-                return []
+                return self._ban.advance(token_id)
             self.triggered = True
         if self.broken:
             return []

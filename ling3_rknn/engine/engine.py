@@ -181,9 +181,11 @@ class Engine:
             constraint: TokenConstraint | LazyCalls | MarkerBan | None = None
             if request.grammar is not None:
                 constraint = await asyncio.to_thread(
-                    self._constraint, request.grammar, request.banned_markers, budget)
-            elif request.banned_markers:
-                constraint = MarkerBan(self._ban_rows, self._marker_ids(request.banned_markers))
+                    self._constraint, request.grammar, request.banned_markers,
+                    request.once_markers, budget)
+            elif request.banned_markers or request.once_markers:
+                constraint = MarkerBan(self._ban_rows, self._marker_ids(request.banned_markers),
+                                       self._marker_ids(request.once_markers))
             loop = asyncio.get_running_loop()
             events: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
 
@@ -230,7 +232,8 @@ class Engine:
             raise ContextLengthExceeded(floor, self.max_context, at_least=True)
 
     def _constraint(
-        self, request_grammar: GrammarSource, banned_markers: Sequence[str], budget: int
+        self, request_grammar: GrammarSource, banned_markers: Sequence[str],
+        once_markers: Sequence[str], budget: int,
     ) -> TokenConstraint | LazyCalls | MarkerBan:
         """A request's per-token constraint (worker-thread objects, built off the loop):
         its grammar for ``budget`` tokens, entered at its trigger when it is lazy."""
@@ -238,7 +241,8 @@ class Engine:
         trigger = grammar.trigger
         if trigger is None:
             return self._grammars.compile(grammar)
-        ban = MarkerBan(self._ban_rows, self._marker_ids(banned_markers))
+        ban = MarkerBan(self._ban_rows, self._marker_ids(banned_markers),
+                        self._marker_ids(once_markers))
         trigger_id = self._tokenizer.special_ids.get(trigger)
         try:
             if trigger_id is None:
