@@ -214,10 +214,16 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
         graph = build_stage(w, name, np.float32)
         path = work / f"{name}.onnx"
         onnx.save(graph.model, str(path))
+        # The toolkit settings the converter recorded for this stage (an mmse or
+        # auto-hybrid bundle is rebuilt as it was built, not with the defaults).
+        how = spec.quantization or {}
+        hybrid = how.get("hybrid_cos")
         jobs.append(SimulatedStage(
             spec, path, spec.quant,
             calib.samples(name, graph.inputs, defaults.calibration_samples)
-            if spec.quant == "w8a8" else None))
+            if spec.quant == "w8a8" else None,
+            hybrid_cos=float(hybrid) if hybrid is not None else None,
+            algorithm=str(how.get("algorithm") or "normal")))
     sim = stack.enter_context(SimulatedGraphs(jobs))  # builds every stage; closed by stack
     model.stages.replace_executors(sim.executors())
 
