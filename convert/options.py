@@ -46,8 +46,10 @@ class ConvertOptions:
     calibration_samples: int = 8
     # w8a8 only: rknn-toolkit2's calibration algorithm (normal | mmse | kl_divergence) and
     # the auto-hybrid cosine threshold (ops whose calibration cosine falls below it stay
-    # fp16; None: all int8). Recorded per stage in the manifest.
-    w8a8_algorithm: str = "normal"
+    # fp16; None: all int8). Recorded per stage in the manifest. mmse by default: it
+    # searches each tensor's clipping range, which the demo's exact copies need
+    # (docs/toolchain.md 3).
+    w8a8_algorithm: str = "mmse"
     w8a8_hybrid_cos: float | None = None
     build_rknn: bool = True  # False: placeholder .rknn files (host tests only)
     overwrite: bool = False
