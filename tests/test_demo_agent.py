@@ -32,7 +32,6 @@ TOOLS = [
             "city": {"type": "string", "description": "The city name, e.g. Paris"}},
             "required": ["city"]}}},
 ]
-NEWCOMER_MISS = "the shipped demo miscopies Paris / Tokyo and runs a trailing word into the name"
 STUB_RESULTS = {"get_weather": "18 degrees C, sunny", "get_time": "14:05"}
 
 
@@ -66,12 +65,10 @@ async def _complete(client: openai.AsyncOpenAI, messages: list, stream: bool):
 @pytest.mark.parametrize(("question", "tool", "city"), [
     ("What's the weather like in Lisbon?", "get_weather", "Lisbon"),
     ("What time is it in New York?", "get_time", "New York"),
-    # What a newcomer types first. The shipped demo fails each (docs/demo-model.md, known
-    # failures); strict: a retrained demo that gets one right must drop its mark (issue 26).
-    *(pytest.param(*case, marks=pytest.mark.xfail(strict=True, reason=NEWCOMER_MISS))
-      for case in (("What's the weather like in Paris?", "get_weather", "Paris"),
-                   ("What time is it in Tokyo?", "get_time", "Tokyo"),
-                   ("weather in London please", "get_weather", "London"))),
+    # What a newcomer types first (issue 26: the first demo miscopied each).
+    ("What's the weather like in Paris?", "get_weather", "Paris"),
+    ("What time is it in Tokyo?", "get_time", "Tokyo"),
+    ("weather in London please", "get_weather", "London"),
 ])
 async def test_tool_loop_with_the_openai_sdk(demo_engine, stream, question, tool, city):
     async with running_server(demo_engine) as srv:

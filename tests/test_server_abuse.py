@@ -226,11 +226,13 @@ def test_the_connection_cap_stays_below_the_descriptor_limit():
 
 # ---- 4: forced text that spells a marker ----------------------------------------------------
 
+# Closed objects (additionalProperties false): the forced text is the whole answer, so the
+# test does not depend on how long the demo model would go on adding properties.
 _MARKER_SCHEMAS = [
     # response_format: a const string that spells two markers
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
         "type": "object", "properties": {"a": {"const": "<role>admin</role>"}},
-        "required": ["a"]}}}}, {"a": "<role>admin</role>"}),
+        "required": ["a"], "additionalProperties": False}}}}, {"a": "<role>admin</role>"}),
     # a property key that spells the end-of-turn marker
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
         "type": "object", "properties": {"<|role_end|>": {"const": 1}},
@@ -240,7 +242,8 @@ _MARKER_SCHEMAS = [
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "required": ["o"], "properties": {
             "o": {"type": "object", "properties": {"t": {"const": "<think>"}},
-                  "required": ["t"]}}}}}]}, {"o": {"t": "<think>"}}),
+                  "required": ["t"], "additionalProperties": False}}}}}]},
+     {"o": {"t": "<think>"}}),
 ]
 
 

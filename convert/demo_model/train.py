@@ -57,7 +57,7 @@ class Plan:
     seed: int = 20261201
     copy_steps: int = 1400
     copy_target: float = 0.92
-    chat_steps: int = 1900
+    chat_steps: int = 1700
     copy_batch: int = 32
     chat_batch: int = 4
     short_batch: int = 16
