@@ -96,7 +96,7 @@ $(CLIENTS)/node_modules/.installed: $(CLIENTS)/package-lock.json
 
 agent-clients: $(CLIENTS)/node_modules/.installed
 
-# The embedded demo model (docs/demo-model.md). demo-model trains it (~80 min on 2 cores,
+# The embedded demo model (docs/demo-model.md). demo-model trains it (~150 min on 2 cores,
 # deterministic, resumable: run it again after an interruption) into
 # convert/demo_model/checkpoint + train_log.jsonl; demo-bundle converts it with the
 # project's own converter into the bundle that `serve` ships; demo-eval scores both.

@@ -13,6 +13,7 @@ from pathlib import Path
 from ling3_rknn.bundle import EXPERT_FORMATS, STAGE_QUANTS, TARGETS
 
 W8A8_ALGORITHMS = ("normal", "mmse", "kl_divergence")
+DEFAULT_W8A8_ALGORITHM = "mmse"  # docs/toolchain.md 3: measured on the trained demo
 # --target cpu int8/int4: onnxruntime's MatMulNBits, symmetric, this block, activations
 # quantized to int8 inside the kernel (accuracy_level 4: the integer dot-product kernels).
 CPU_QUANT_BLOCK = 32
@@ -49,7 +50,7 @@ class ConvertOptions:
     # fp16; None: all int8). Recorded per stage in the manifest. mmse by default: it
     # searches each tensor's clipping range, which the demo's exact copies need
     # (docs/toolchain.md 3).
-    w8a8_algorithm: str = "mmse"
+    w8a8_algorithm: str = DEFAULT_W8A8_ALGORITHM
     w8a8_hybrid_cos: float | None = None
     build_rknn: bool = True  # False: placeholder .rknn files (host tests only)
     overwrite: bool = False

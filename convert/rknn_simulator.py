@@ -24,6 +24,7 @@ from typing import IO
 
 import numpy as np
 
+from convert.options import DEFAULT_W8A8_ALGORITHM
 from convert.rknn_toolkit import RknnToolkitError, rknn_python
 from ling3_rknn.bundle import StageSpec
 
@@ -39,7 +40,7 @@ class SimulatedStage:
     quant: str
     calibration: Mapping[str, np.ndarray] | None = None
     hybrid_cos: float | None = None
-    algorithm: str = "normal"
+    algorithm: str = DEFAULT_W8A8_ALGORITHM
 
 
 class SimulatedGraphs:

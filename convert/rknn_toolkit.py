@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from convert.options import DEFAULT_W8A8_ALGORITHM
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = Path(__file__).resolve().with_name("rknn_build.py")
 QUANT_TYPES = ("fp16", "w8a8")
@@ -105,7 +107,7 @@ def build_rknn(
     *,
     target: str = "rk3588",
     dynamic_input: Sequence[Sequence[Sequence[int]]] | None = None,
-    algorithm: str = "normal",
+    algorithm: str = DEFAULT_W8A8_ALGORITHM,
     hybrid_cos: float | None = None,
     timeout: float | None = None,
 ) -> RknnBuildResult:

@@ -236,7 +236,8 @@ def test_quantized_end_to_end_in_simulator(setup, tmp_path) -> None:
         jobs = [SimulatedStage(spec, sources[name][0], quant,
                                calib.samples(name, sources[name][1], CALIB_SAMPLES)
                                if quant == "w8a8" else None,
-                               hybrid_cos=DEFAULTS.w8a8_hybrid_cos)
+                               hybrid_cos=DEFAULTS.w8a8_hybrid_cos,
+                               algorithm=DEFAULTS.w8a8_algorithm)
                 for name, spec in models["int4"].bundle.manifest.stages.items()]
         with SimulatedGraphs(jobs) as sim:
             for experts in expert_kinds:

@@ -68,6 +68,9 @@ async def test_responses_tool_loop(demo_engine, stream):
 async def test_responses_parse_json_schema(demo_engine):
     # The demo was never taught JSON answers: inside the grammar it may write a string
     # that never ends, so the schema bounds it (maxLength) and the JSON always closes.
+    # Unbounded, a response_format string runs to max_output_tokens and the answer is
+    # "incomplete" (finish "length"), as OpenAI's is; only forced calls' raw strings get
+    # a budget bound (docs/serving.md 9.1).
     class Verdict(BaseModel):
         answer: str = Field(max_length=60)
         sunny: bool

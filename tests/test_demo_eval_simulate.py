@@ -40,12 +40,13 @@ class RecordingGraphs:
 
 def test_simulate_rebuilds_stages_with_the_recorded_quantization(tmp_path, monkeypatch):
     manifest = Bundle.open(BUNDLE).manifest
-    recorded = {"algorithm": "kl_divergence", "hybrid_cos": 0.97, "calibration_samples": 8}
+    recorded = {"algorithm": "kl_divergence", "hybrid_cos": 0.97, "calibration_samples": 3}
     stages = {name: dataclasses.replace(spec, quant="w8a8", quantization=recorded)
               for name, spec in manifest.stages.items()}
     replaced: list = []
     model = types.SimpleNamespace(
-        bundle=types.SimpleNamespace(manifest=types.SimpleNamespace(stages=stages)),
+        bundle=types.SimpleNamespace(manifest=types.SimpleNamespace(
+            stages=stages, chunk_sizes=manifest.chunk_sizes)),
         stages=types.SimpleNamespace(replace_executors=replaced.append))
     monkeypatch.setattr(rknn_simulator, "SimulatedGraphs", RecordingGraphs)
     with contextlib.ExitStack() as stack:
@@ -53,5 +54,8 @@ def test_simulate_rebuilds_stages_with_the_recorded_quantization(tmp_path, monke
     jobs = RecordingGraphs.seen
     assert {j.spec.name for j in jobs} == set(stages)
     assert {(j.algorithm, j.hybrid_cos) for j in jobs} == {("kl_divergence", 0.97)}
-    assert all(j.calibration for j in jobs)  # w8a8: calibrated from the recorded prompts
+    # w8a8: calibrated from the prompts with the recorded sample count, chunk-long rows
+    for job in jobs:
+        for array in job.calibration.values():
+            assert array.shape[0] == 3 and array.shape[2] == manifest.chunk_sizes[0], array.shape
     assert replaced == [{"replaced": True}]

@@ -117,12 +117,16 @@ def eval_tools() -> list[dict]:
 async def _generate(engine: Engine, messages: list[dict], tools: list[dict], thinking: bool,
                     lazy: bool = True) -> str:
     # As the server asks (its end-of-turn stop string too): under "auto" the lazy grammar of
-    # the calls and the in-call markers banned before it (``lazy=False``: free, as before).
+    # the calls and the in-call markers banned before it (``lazy=False``: free, as before),
+    # and the reasoning markers the generation prompt spent (server.completion's lists).
     grammar = turn_grammar(tools, thinking=thinking, lazy_calls=lazy)
+    spent, once = markers.spent_reasoning_markers(thinking)
     request = GenerationRequest(
         prompt=render(messages, tools, enable_thinking=thinking),
         sampling=SamplingParams(temperature=0.0), max_tokens=96, stop=("<|role_end|>",),
-        grammar=grammar, banned_markers=markers.CALL_BODY_MARKERS if grammar else ())
+        grammar=grammar,
+        banned_markers=(*(markers.CALL_BODY_MARKERS if grammar else ()), *spent),
+        once_markers=once)
     async for event in engine.generate(request):
         if isinstance(event, Finished):
             return event.text
@@ -207,8 +211,12 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
     defaults = ConvertOptions()
     w = open_checkpoint(hf)
     tok = Tokenizer.from_file(hf / "tokenizer.json")
-    calib = calibrate(w, load_prompts(calibration, tok.encode_text), defaults.chunk,
-                      defaults.calibration_samples)
+    # Calibrated as the converter did: its first (smallest) chunk, the recorded sample count.
+    recorded = [s.quantization or {} for s in manifest.stages.values()]
+    samples = int(next((r["calibration_samples"] for r in recorded
+                        if r.get("calibration_samples")), defaults.calibration_samples))
+    calib = calibrate(w, load_prompts(calibration, tok.encode_text), manifest.chunk_sizes[0],
+                      samples)
     jobs = []
     for name, spec in manifest.stages.items():
         graph = build_stage(w, name, np.float32)
@@ -220,8 +228,7 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
         hybrid = how.get("hybrid_cos")
         jobs.append(SimulatedStage(
             spec, path, spec.quant,
-            calib.samples(name, graph.inputs, defaults.calibration_samples)
-            if spec.quant == "w8a8" else None,
+            calib.samples(name, graph.inputs, samples) if spec.quant == "w8a8" else None,
             hybrid_cos=float(hybrid) if hybrid is not None else None,
             algorithm=str(how.get("algorithm") or "normal")))
     sim = stack.enter_context(SimulatedGraphs(jobs))  # builds every stage; closed by stack

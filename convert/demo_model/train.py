@@ -5,13 +5,14 @@
 Host-only (torch 2.13.0 CPU + transformers 5.24.0 ``BailingHybridForCausalLM``); the
 runtime never imports it. Deterministic: the tokenizer, the initial weights and every
 batch are functions of ``--seed`` (a batch of step s is drawn from ``Random(seed, phase,
-s)``), so ``--resume`` after an interruption continues the same run. About 85 minutes on
-2 cores. The recipe (measured in the project's feasibility study, then tuned):
+s)``), so ``--resume`` after an interruption continues the same run. About 150 minutes on
+2 cores (the shipped run: 9,289 s). The recipe (measured in the project's feasibility
+study, then tuned):
 
 1. **Echo warm-up** (phase 1): ``Repeat after me: X`` -> ``X`` on short sequences, batch
-   32, until teacher-forced accuracy on the *later* tokens of never-seen names reaches
-   ``--copy-target`` (checked every 100 steps) or ``--copy-steps`` run out. This is where
-   the copy circuit forms; without it the model learns one "average" city name.
+   32, until teacher-forced accuracy on the first and the later tokens of never-seen
+   names reach ``--copy-target`` (checked every 100 steps) or ``--copy-steps`` run out.
+   This is where the copy circuit forms; without it the model learns one "average" city name.
 2. **Agent chats** (phase 2): two steps in three are 4 chats with the full tools prompt,
    the third 16 short items (echo + one-tool chats); the learning rate stays high for 70 %
    of the steps, then decays (city accuracy still rises late).

@@ -66,3 +66,14 @@ def generation_prompt(thinking: bool) -> str:
     open for the model, thinking off writes an empty reasoning block."""
     head = f"{role('ASSISTANT')}\n{THINK_OPEN}"
     return head if thinking else head + THINK_CLOSE
+
+
+def spent_reasoning_markers(thinking: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(never sampled, sampled at most once) reasoning markers of an answer: the generation
+    prompt opens the reasoning (``<think>``) and, with thinking off, closes it too, so the
+    opening marker is never valid and the close is valid once, only with thinking on
+    (docs/serving.md 9.1)."""
+    if thinking:
+        return (THINK_OPEN,), (THINK_CLOSE,)
+    return (THINK_OPEN, THINK_CLOSE), ()
+

@@ -112,14 +112,11 @@ def turn_grammar(request: ChatRequest) -> chat.TurnGrammar | None:
 def banned_markers(request: ChatRequest, grammar: chat.TurnGrammar | None) -> tuple[str, ...]:
     """Markers the answer may not sample (docs/serving.md 9): every call marker where no
     call is possible (no tools, ``tool_choice: "none"``), the ones that only belong inside
-    a call before a lazy grammar's trigger; a full grammar needs none. The generation
-    prompt already opened the reasoning (and, with thinking off, closed it), so its
-    opening marker is never valid and its close is, only with thinking on and only once
-    (``once_markers``)."""
+    a call before a lazy grammar's trigger, and the reasoning markers the generation prompt
+    already spent; a full grammar needs none."""
     if grammar is not None and grammar.trigger is None:
         return ()
-    spent = ((markers.THINK_OPEN,) if request.enable_thinking
-             else (markers.THINK_OPEN, markers.THINK_CLOSE))
+    spent, _ = markers.spent_reasoning_markers(request.enable_thinking)
     if grammar is not None:
         return (*markers.CALL_BODY_MARKERS, *spent)
     return (*(markers.CALL_MARKERS if callable_tools(request) is None else ()), *spent)
@@ -129,7 +126,7 @@ def once_markers(request: ChatRequest, grammar: chat.TurnGrammar | None) -> tupl
     """Markers the answer may sample at most once: the reasoning's close, thinking on."""
     if grammar is not None and grammar.trigger is None:
         return ()
-    return (markers.THINK_CLOSE,) if request.enable_thinking else ()
+    return markers.spent_reasoning_markers(request.enable_thinking)[1]
 
 
 def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> GenerationRequest:
