@@ -22,7 +22,8 @@ groups) of width 512 + 1 shared expert, dense FFN 3072, vocab 32000; 526 M param
   ``DIR/src/build/bin/llama-bench`` and build the GGUF there itself): ``llama-bench -p 512
   -n 0 -d 0`` (pp512) and ``llama-bench -p 0 -n N -d 512,4096,12288`` (tg N at each depth),
   ``-t THREADS -r REPS -o json``, on a Q8_0 GGUF of the same checkpoint (llama.cpp's
-  ``convert_hf_to_gguf.py`` to bf16, then ``llama-quantize ... Q8_0``); its peak RSS is
+  ``convert_hf_to_gguf.py`` to bf16, then ``llama-quantize ... Q8_0``; with ``--bits 4``
+  the project's int4 stages and experts against Q4_0); its peak RSS is
   that of the llama-bench process. The ratios printed are project / llama.cpp (tok/s: > 1
   means the project is faster; RSS: > 1 means the project uses more).
 
@@ -319,8 +320,14 @@ def ensure_checkpoint(work: Path, oracle_python: Path, seed: int) -> Path:
 BUNDLE_REVISION = 3
 
 
-def ensure_bundle(ckpt: Path, work: Path, cli: list[str]) -> Path:
-    bundle = work / "bundle-cpu-int8"
+# The project's conversion and llama.cpp's quantization compared at each width: int8
+# stages and experts against Q8_0 (the default), int4 against Q4_0 (block 32 both; the
+# board's routed experts are int4).
+QUANTS = {8: (["--experts", "int8"], "Q8_0"), 4: (["--quant", "int4", "--experts", "int4"], "Q4_0")}
+
+
+def ensure_bundle(ckpt: Path, work: Path, cli: list[str], bits: int = 8) -> Path:
+    bundle = work / f"bundle-cpu-int{bits}"
     stamp = bundle / "bench_source.json"
     source = json.loads((ckpt / "bench_stamp.json").read_text())
     source["bundle_revision"] = BUNDLE_REVISION
@@ -329,21 +336,32 @@ def ensure_bundle(ckpt: Path, work: Path, cli: list[str]) -> Path:
     log(f"converting to {bundle} ...")
     t0 = time.perf_counter()
     subprocess.run([*cli, "convert", str(ckpt), str(bundle), "--target", "cpu",
-                    "--experts", "int8", "--overwrite"], check=True)
+                    *QUANTS[bits][0], "--overwrite"], check=True)
     log(f"  converted in {time.perf_counter() - t0:.0f} s")
     stamp.write_text(json.dumps(source, indent=2) + "\n")
     return bundle
 
 
-def ensure_gguf(ckpt: Path, work: Path, llama_dir: Path) -> Path:
-    """bf16 GGUF with llama.cpp's converter, then Q8_0 with llama-quantize."""
-    gguf = work / "ling3-medium-Q8_0.gguf"
-    stamp = work / "gguf_source.json"
+def ensure_gguf(ckpt: Path, work: Path, llama_dir: Path, bits: int = 8) -> Path:
+    """bf16 GGUF with llama.cpp's converter, then Q8_0 with llama-quantize; Q4_0 is
+    quantized from that Q8_0 (``--allow-requantize``: the bf16 file is not kept; the double
+    rounding changes values, not the kernels timed) with ``--pure`` (every tensor Q4_0, as
+    the project's int4 conversion)."""
+    qtype = QUANTS[bits][1]
+    gguf = work / f"ling3-medium-{qtype}.gguf"
+    stamp = work / ("gguf_source.json" if bits == 8 else f"gguf_source-{qtype}.json")
     source = json.loads((ckpt / "bench_stamp.json").read_text())
     if gguf.exists() and stamp.exists() and json.loads(stamp.read_text()) == source:
         return gguf
     src, py = llama_dir / "src", llama_dir / "venv" / "bin" / "python"
     quantize = src / "build" / "bin" / "llama-quantize"
+    if bits != 8:
+        q8 = ensure_gguf(ckpt, work, llama_dir, 8)
+        log(f"quantizing {q8.name} to {gguf} ...")
+        subprocess.run([str(quantize), "--allow-requantize", "--pure", str(q8), str(gguf),
+                        qtype], check=True, stdout=subprocess.DEVNULL)
+        stamp.write_text(json.dumps(source, indent=2) + "\n")
+        return gguf
     bf16 = work / "ling3-medium-bf16.gguf"
     log(f"converting to {bf16} with llama.cpp's convert_hf_to_gguf.py ...")
     subprocess.run([str(py), "-c", GGUF_WRAPPER, str(src), str(ckpt), "--outtype", "bf16",
@@ -650,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. 0,4096,16384")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=64)
+    ap.add_argument("--bits", type=int, choices=sorted(QUANTS), default=8,
+                    help="8: project int8 stages + experts vs llama.cpp Q8_0 (default); "
+                         "4: int4 vs Q4_0")
     ap.add_argument("--seed", type=int, default=0, help="prompt ids")
     ap.add_argument("--oracle-python", type=Path, default=ORACLE_PYTHON)
     ap.add_argument("--llama-dir", type=Path,
@@ -684,13 +705,14 @@ def main(argv: list[str] | None = None) -> int:
     cli = REPO / ".venv" / "bin" / "ling3-rknn"
     cli_cmd = [str(cli)] if cli.exists() else [sys.executable, "-m", "ling3_rknn.cli"]
     ckpt = ensure_checkpoint(args.work, args.oracle_python, CHECKPOINT_SEED)
-    bundle = ensure_bundle(ckpt, args.work, cli_cmd)
+    bundle = ensure_bundle(ckpt, args.work, cli_cmd, args.bits)
     if bench is not None and gguf is None:
-        gguf = ensure_gguf(ckpt, args.work, args.llama_dir)
+        gguf = ensure_gguf(ckpt, args.work, args.llama_dir, args.bits)
 
     results: dict[str, Any] = {
         "model": "hidden 1024, 8 layers (6 KDA + 2 MLA), 32 experts top-8 x 512 + shared, "
-                 "vocab 32000; project: --target cpu --experts int8; llama.cpp: Q8_0",
+                 "vocab 32000; project: --target cpu "
+                 + " ".join(QUANTS[args.bits][0]) + f"; llama.cpp: {QUANTS[args.bits][1]}",
         "checkpoint": str(ckpt), "bundle": str(bundle),
         "gguf": str(gguf) if gguf else None, "llama_bench": str(bench) if bench else None,
         "threads": args.threads, "rounds": args.rounds, "prompt": args.prompt,
