@@ -12,6 +12,7 @@ import sys
 
 from convert.calibration import CalibrationError
 from convert.converter import ConvertError, ConvertOptions, convert
+from convert.options import DEFAULT_W8A8_ALGORITHM
 from convert.rknn_toolkit import RknnToolkitError
 from ling3_rknn.bundle import BundleError
 from ling3_rknn.config import ConfigError
@@ -26,7 +27,8 @@ def run_convert(args: argparse.Namespace) -> int:
         more_chunks=args.chunk[1:],
         tokenizer=args.tokenizer, chat_template=args.chat_template,
         block_size=args.block_size, build_rknn=not args.no_rknn_build,
-        w8a8_algorithm=args.w8a8_algorithm, w8a8_hybrid_cos=args.w8a8_hybrid_cos,
+        w8a8_algorithm=args.w8a8_algorithm or DEFAULT_W8A8_ALGORITHM,
+        w8a8_hybrid_cos=args.w8a8_hybrid_cos,
         overwrite=args.overwrite, resume=args.resume, progress=sys.stderr.isatty(),
     )
     try:

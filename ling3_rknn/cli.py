@@ -201,9 +201,9 @@ def _add_convert(commands: Any) -> None:
     conv.add_argument("--chat-template", type=Path, metavar="FILE")
     conv.add_argument("--block-size", type=_positive_int, default=32, help="expert quant block")
     conv.add_argument("--w8a8-algorithm", choices=["normal", "mmse", "kl_divergence"],
-                      default="mmse", help="rknn-toolkit2 quantized_algorithm for w8a8 stages "
-                      "(default mmse: the demo's held-out calls 36 / 37 of 40 in the simulator, "
-                      "normal 32 / 32; docs/toolchain.md 3)")
+                      help="rknn-toolkit2 quantized_algorithm for w8a8 stages (default: "
+                      "the converter's, mmse: the demo's held-out calls 36 / 37 of 40 in the "
+                      "simulator, normal 32 / 32; docs/toolchain.md 3)")
     conv.add_argument("--w8a8-hybrid-cos", type=float, metavar="COS",
                       help="keep in fp16 the ops whose calibration cosine falls below COS "
                            "(rknn-toolkit2 auto-hybrid; default: everything int8)")

@@ -230,6 +230,7 @@ def simulate_stages(model: Any, hf: Path, calibration: Path, work: Path,
             spec, path, spec.quant,
             calib.samples(name, graph.inputs, samples) if spec.quant == "w8a8" else None,
             hybrid_cos=float(hybrid) if hybrid is not None else None,
+            # a bundle that recorded none predates the record, when normal was the only one
             algorithm=str(how.get("algorithm") or "normal")))
     sim = stack.enter_context(SimulatedGraphs(jobs))  # builds every stage; closed by stack
     model.stages.replace_executors(sim.executors())

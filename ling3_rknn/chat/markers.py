@@ -76,4 +76,3 @@ def spent_reasoning_markers(thinking: bool) -> tuple[tuple[str, ...], tuple[str,
     if thinking:
         return (THINK_OPEN,), (THINK_CLOSE,)
     return (THINK_OPEN, THINK_CLOSE), ()
-
