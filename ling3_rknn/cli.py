@@ -100,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
              "variable: a key on the command line is visible to every local user in ps and "
              "/proc/PID/cmdline",
     )
-    serve.add_argument("--cache-bytes", type=parse_size, metavar="N", help="prefix cache size")
+    serve.add_argument(
+        "--cache-bytes", type=parse_size, metavar="N",
+        help="the prefix cache's memory tier (0: no cache). Default: up to 2G, what this "
+             "machine's memory leaves beside the model (shared with --prefill-scratch; "
+             "the sizes chosen are logged at start)",
+    )
     serve.add_argument("--cache-dir", type=Path, metavar="DIR", help="persist the prefix cache")
     serve.add_argument("--max-context", type=_positive_int, metavar="N", help="context limit")
     serve.add_argument(
@@ -160,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-scratch", type=parse_size, metavar="N",
         help="memory a prompt's expanded MLA rows may take while it is evaluated (3.4x "
              "fewer attention FLOPs; 2G covers a 16.6K-token prompt of Ling-3.0-tiny; "
-             "longer prompts continue in the absorbed form; 0: never). Default 2G",
+             "longer prompts continue in the absorbed form; 0: never). Default: up to 2G, "
+             "what this machine's memory leaves beside the model (see --cache-bytes)",
     )
     serve.add_argument(
         "--verify", choices=["stamped", "full", "size"], default="stamped",

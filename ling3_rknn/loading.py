@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from ling3_rknn.memory_plan import MemoryPlan, plan_memory, read_meminfo
 
 if TYPE_CHECKING:
     from ling3_rknn.engine import Engine, EngineOptions, TokenizerLike
     from ling3_rknn.model import Model
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "ling-3.0-tiny"
 # The MLA latent cache grows with the context; 32K fits the CM3588's RAM next to the model.
@@ -100,9 +104,42 @@ def make_engine(
         weights_identity=weights_identity, default_model_id=default_model_id)
     # a bundle converted with bigger prefill graphs is fed in pieces of the biggest
     resolved = replace(resolved, prefill_chunk=model.prefill_chunk)
-    if options.prefill_scratch_bytes is not None:
-        model.prefill_scratch_bytes = options.prefill_scratch_bytes
-    return Engine(model, tokenizer, resolved)
+    plan = memory_plan_for(model, options, resolved.max_context)
+    log.info("%s", plan.describe())
+    if plan.over_by:
+        log.warning("--cache-bytes and --prefill-scratch exceed this machine's spare memory "
+                    "by %.2f GiB: expect swapping or the OOM killer under long prompts",
+                    plan.over_by / 2**30)
+    model.prefill_scratch_bytes = plan.prefill_scratch_bytes
+    return Engine(model, tokenizer, replace(resolved, cache_bytes=plan.cache_bytes))
+
+
+def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
+                    meminfo: dict[str, int] | None = None) -> MemoryPlan:
+    """The prefix cache's and the prefill scratch's sizes for this machine
+    (``ling3_rknn.memory_plan``): the operator's values, else what the memory left
+    beside the model allows, at most the defaults. ``meminfo``: None reads the machine's."""
+    from ling3_rknn.engine.options import DEFAULT_CACHE_BYTES
+    from ling3_rknn.model.mla_expanded import PREFILL_SCRATCH_BYTES
+
+    return plan_memory(
+        model_bytes=_model_bytes(model),
+        sequence_bytes=model.new_state().layout.nbytes(max_context),
+        meminfo=read_meminfo() if meminfo is None else meminfo,
+        cache_bytes=options.cache_bytes,
+        prefill_scratch_bytes=options.prefill_scratch_bytes,
+        default_cache_bytes=DEFAULT_CACHE_BYTES,
+        default_prefill_scratch_bytes=PREFILL_SCRATCH_BYTES,
+    )
+
+
+def _model_bytes(model: Model) -> int:
+    """What the model occupies: a bundle's files (its routed experts may be mapped and not
+    yet read), else the process's resident memory now (an HF checkpoint's numpy model)."""
+    if model.bundle is not None:
+        return sum(entry.size for entry in model.bundle.manifest.files.values())
+    status = read_meminfo(Path("/proc/self/status")) or {}
+    return status.get("VmRSS", 0)
 
 
 def _eos_ids(generation_config: dict[str, Any]) -> list[int]:

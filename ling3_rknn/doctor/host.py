@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ling3_rknn.doctor.report import Check
 from ling3_rknn.doctor.sysfs import SysRoot
+from ling3_rknn.memory_plan import parse_meminfo
 from ling3_rknn.model import native, native_build
 
 MEMINFO = "proc/meminfo"
@@ -65,13 +66,7 @@ def decode_kernels() -> Check:
 
 def meminfo(sys: SysRoot) -> dict[str, int]:
     """``/proc/meminfo`` in bytes."""
-    values: dict[str, int] = {}
-    for line in (sys.read(MEMINFO) or "").splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return values
+    return parse_meminfo(sys.read(MEMINFO) or "")
 
 
 def memory(sys: SysRoot, need: int | None) -> Check:

@@ -68,6 +68,15 @@ class StateLayout:
             latent_dtype=latent_dtype,
         )
 
+    def nbytes(self, tokens: int) -> int:
+        """One sequence's state at ``tokens`` positions: the KDA recurrent state (body and
+        row scales, float32) and conv tails, and the MLA latent rows (the memory plan's
+        per-sequence figure; the recurrence's small rank-1 queue is left out)."""
+        h, d, _ = self.recurrent_shape
+        kda = (h * d * d + h * d + self.conv_shape[0] * self.conv_shape[1]) * 4
+        latent = tokens * self.latent_width * np.dtype(self.latent_dtype).itemsize
+        return len(self.kda_layers) * kda + len(self.mla_layers) * latent
+
 
 class LatentCache:
     """Append-only rows of one MLA layer in frozen shared blocks plus one private tail block."""

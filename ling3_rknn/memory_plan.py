@@ -1,0 +1,125 @@
+"""How much of the machine's memory the serving process may take beyond the model itself.
+
+Two consumers have sizes an operator can set and that a board cannot always afford at their
+defaults: the prefix cache's memory tier (``--cache-bytes``, default 2 GiB) and a prompt's
+expanded-MLA prefill scratch (``--prefill-scratch``, default 2 GiB). Ling-3.0-tiny's bundle
+is ~6 GB, so on an 8 GB CM3588 the two defaults alone would push the process into swap or
+the OOM killer. What the operator did not set is sized here, at load, from what the machine
+has left (docs/performance.md, "Where the memory goes"):
+
+    spare = min(MemAvailable, MemTotal - model bytes) - one sequence at the context limit
+            - RUNTIME_RESERVE
+
+``MemAvailable`` is read after the model loaded; ``MemTotal - model bytes`` also covers
+model pages that are memory-mapped but not yet resident (which MemAvailable still counts as
+free). The unset consumers split ``spare`` evenly, each up to its default, and one's unused
+share goes to the other. Values the operator set are kept as given (a warning says when
+they exceed ``spare``). Where ``/proc/meminfo`` is unreadable (not Linux) the defaults stand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+MEMINFO_PATH = Path("/proc/meminfo")
+# Python, onnxruntime's arenas and sessions, the HTTP server, the OS's own working set
+RUNTIME_RESERVE = 1 << 30
+_GIB = float(1 << 30)
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """``/proc/meminfo``'s fields in bytes (``kB`` lines scaled, others as written)."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return values
+
+
+def read_meminfo(path: Path = MEMINFO_PATH) -> dict[str, int] | None:
+    """The machine's memory figures, or None where the file is missing or unreadable."""
+    try:
+        return parse_meminfo(path.read_text(encoding="ascii", errors="replace"))
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The sizes the process runs with, and the figures they came from."""
+
+    cache_bytes: int
+    prefill_scratch_bytes: int
+    spare_bytes: int | None  # None: the machine's memory was not readable
+    total_bytes: int | None
+    available_bytes: int | None
+    model_bytes: int
+    sequence_bytes: int
+    auto: tuple[str, ...]  # which of the two were sized here ("cache", "prefill scratch")
+    over_by: int = 0  # how far the operator's values exceed ``spare_bytes``
+
+    def describe(self) -> str:
+        """One log line: the sizes, which were chosen here, and from what."""
+        sizes = (f"prefix cache {_gib(self.cache_bytes)} in memory, prefill scratch "
+                 f"{_gib(self.prefill_scratch_bytes)}")
+        if self.spare_bytes is None:
+            return f"memory: {sizes} (the defaults: this machine's memory is not readable)"
+        chosen = f"; sized here: {', '.join(self.auto)}" if self.auto else ""
+        return (f"memory: {sizes}{chosen} (of {_gib(self.total_bytes or 0)}: model "
+                f"{_gib(self.model_bytes)}, one sequence at the context limit "
+                f"{_gib(self.sequence_bytes)}, runtime reserve {_gib(RUNTIME_RESERVE)}, "
+                f"{_gib(self.available_bytes or 0)} available after loading, "
+                f"{_gib(self.spare_bytes)} spare)")
+
+
+def plan_memory(
+    *,
+    model_bytes: int,
+    sequence_bytes: int,
+    meminfo: Mapping[str, int] | None,
+    cache_bytes: int | None,
+    prefill_scratch_bytes: int | None,
+    default_cache_bytes: int,
+    default_prefill_scratch_bytes: int,
+) -> MemoryPlan:
+    """The sizes for the consumers left ``None`` (see the module docstring)."""
+    total = meminfo.get("MemTotal") if meminfo else None
+    available = meminfo.get("MemAvailable") if meminfo else None
+    if total is None or available is None:
+        return MemoryPlan(
+            cache_bytes=default_cache_bytes if cache_bytes is None else cache_bytes,
+            prefill_scratch_bytes=(default_prefill_scratch_bytes
+                                   if prefill_scratch_bytes is None else prefill_scratch_bytes),
+            spare_bytes=None, total_bytes=total, available_bytes=available,
+            model_bytes=model_bytes, sequence_bytes=sequence_bytes, auto=())
+    spare = max(0, min(available, total - model_bytes) - sequence_bytes - RUNTIME_RESERVE)
+    fixed = (cache_bytes or 0) + (prefill_scratch_bytes or 0)
+    free = max(0, spare - fixed)
+    auto: list[str] = []
+    if cache_bytes is None and prefill_scratch_bytes is None:
+        scratch = min(default_prefill_scratch_bytes, free // 2)
+        cache = min(default_cache_bytes, free - scratch)
+        scratch = min(default_prefill_scratch_bytes, free - cache)  # what the cache left
+        auto = ["cache", "prefill scratch"]
+    elif cache_bytes is None:
+        scratch = prefill_scratch_bytes or 0
+        cache = min(default_cache_bytes, free)
+        auto = ["cache"]
+    elif prefill_scratch_bytes is None:
+        cache = cache_bytes
+        scratch = min(default_prefill_scratch_bytes, free)
+        auto = ["prefill scratch"]
+    else:
+        cache, scratch = cache_bytes, prefill_scratch_bytes
+    return MemoryPlan(cache_bytes=cache, prefill_scratch_bytes=scratch, spare_bytes=spare,
+                      total_bytes=total, available_bytes=available, model_bytes=model_bytes,
+                      sequence_bytes=sequence_bytes, auto=tuple(auto),
+                      over_by=max(0, fixed - spare))
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB"

@@ -1,0 +1,158 @@
+"""The memory plan: the prefix cache and the prefill scratch sized from what a machine has
+left beside the model, so an 8 GB board is not pushed into swap by the 2 GiB defaults."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from ling3_rknn import demo, loading
+from ling3_rknn.bundle import Bundle
+from ling3_rknn.loading import LoadOptions
+from ling3_rknn.memory_plan import (
+    RUNTIME_RESERVE,
+    parse_meminfo,
+    plan_memory,
+    read_meminfo,
+)
+
+GIB = 1 << 30
+DEFAULTS = dict(default_cache_bytes=2 * GIB, default_prefill_scratch_bytes=2 * GIB)
+
+
+def board(total_gib: float, available_gib: float) -> dict[str, int]:
+    return {"MemTotal": int(total_gib * GIB), "MemAvailable": int(available_gib * GIB)}
+
+
+def test_meminfo_lines_are_read_in_bytes() -> None:
+    text = "MemTotal:        8039208 kB\nMemAvailable:    1520000 kB\nHugePages_Total:       0\n"
+    info = parse_meminfo(text)
+    assert info == {"MemTotal": 8039208 * 1024, "MemAvailable": 1520000 * 1024,
+                    "HugePages_Total": 0}
+
+
+def test_an_unreadable_meminfo_is_none(tmp_path: Path) -> None:
+    assert read_meminfo(tmp_path / "missing") is None
+
+
+def test_an_8gb_board_gets_what_it_can_spare_not_the_defaults() -> None:
+    # Ling-3.0-tiny's ~6 GB bundle, 2 GB left after loading, one 32K sequence (0.46 GB)
+    plan = plan_memory(model_bytes=int(5.9 * GIB), sequence_bytes=int(0.46 * GIB),
+                       meminfo=board(7.7, 2.0), cache_bytes=None, prefill_scratch_bytes=None,
+                       **DEFAULTS)
+    spare = int(min(2.0, 7.7 - 5.9) * GIB) - int(0.46 * GIB) - RUNTIME_RESERVE
+    assert plan.spare_bytes == spare
+    assert plan.cache_bytes + plan.prefill_scratch_bytes == spare
+    assert abs(plan.cache_bytes - plan.prefill_scratch_bytes) <= 1
+    assert plan.auto == ("cache", "prefill scratch") and plan.over_by == 0
+
+
+def test_model_pages_not_yet_resident_still_count() -> None:
+    # MemAvailable right after mapping the experts still counts their pages as free
+    plan = plan_memory(model_bytes=int(5.9 * GIB), sequence_bytes=0, meminfo=board(7.7, 7.0),
+                       cache_bytes=None, prefill_scratch_bytes=None, **DEFAULTS)
+    assert plan.spare_bytes == int(7.7 * GIB) - int(5.9 * GIB) - RUNTIME_RESERVE
+
+
+def test_a_16gb_board_keeps_the_defaults() -> None:
+    plan = plan_memory(model_bytes=int(5.9 * GIB), sequence_bytes=int(0.46 * GIB),
+                       meminfo=board(15.6, 9.0), cache_bytes=None, prefill_scratch_bytes=None,
+                       **DEFAULTS)
+    assert (plan.cache_bytes, plan.prefill_scratch_bytes) == (2 * GIB, 2 * GIB)
+
+
+def test_one_consumer_capped_leaves_the_rest_to_the_other() -> None:
+    # 3 GiB spare: the cache takes its 2 GiB default, the scratch the remaining 1 GiB
+    plan = plan_memory(model_bytes=0, sequence_bytes=0, meminfo=board(4 + 1, 4 + 1),
+                       cache_bytes=None, prefill_scratch_bytes=None,
+                       default_cache_bytes=2 * GIB, default_prefill_scratch_bytes=8 * GIB)
+    assert plan.spare_bytes == 4 * GIB
+    assert (plan.cache_bytes, plan.prefill_scratch_bytes) == (2 * GIB, 2 * GIB)
+    small = plan_memory(model_bytes=0, sequence_bytes=0, meminfo=board(4 + 1, 4 + 1),
+                        cache_bytes=None, prefill_scratch_bytes=None,
+                        default_cache_bytes=GIB // 2, default_prefill_scratch_bytes=8 * GIB)
+    assert (small.cache_bytes, small.prefill_scratch_bytes) == (GIB // 2, 4 * GIB - GIB // 2)
+
+
+def test_operator_values_stand_and_the_other_gets_the_rest() -> None:
+    plan = plan_memory(model_bytes=0, sequence_bytes=0, meminfo=board(4, 4),
+                       cache_bytes=GIB, prefill_scratch_bytes=None, **DEFAULTS)
+    assert (plan.cache_bytes, plan.prefill_scratch_bytes) == (GIB, 2 * GIB)
+    assert plan.auto == ("prefill scratch",)
+    plan = plan_memory(model_bytes=0, sequence_bytes=0, meminfo=board(4, 4),
+                       cache_bytes=None, prefill_scratch_bytes=0, **DEFAULTS)
+    assert (plan.cache_bytes, plan.prefill_scratch_bytes) == (2 * GIB, 0)
+
+
+def test_operator_values_beyond_the_machine_are_kept_and_flagged() -> None:
+    plan = plan_memory(model_bytes=int(5.9 * GIB), sequence_bytes=0, meminfo=board(7.7, 2.0),
+                       cache_bytes=4 * GIB, prefill_scratch_bytes=None, **DEFAULTS)
+    assert plan.cache_bytes == 4 * GIB and plan.prefill_scratch_bytes == 0
+    assert plan.over_by == 4 * GIB - plan.spare_bytes > 0
+
+
+def test_no_spare_memory_means_no_cache_and_no_scratch() -> None:
+    plan = plan_memory(model_bytes=int(7.5 * GIB), sequence_bytes=0, meminfo=board(7.7, 0.5),
+                       cache_bytes=None, prefill_scratch_bytes=None, **DEFAULTS)
+    assert (plan.spare_bytes, plan.cache_bytes, plan.prefill_scratch_bytes) == (0, 0, 0)
+
+
+def test_without_meminfo_the_defaults_stand() -> None:
+    plan = plan_memory(model_bytes=GIB, sequence_bytes=0, meminfo=None, cache_bytes=None,
+                       prefill_scratch_bytes=GIB // 4, **DEFAULTS)
+    assert (plan.cache_bytes, plan.prefill_scratch_bytes) == (2 * GIB, GIB // 4)
+    assert plan.spare_bytes is None and "not readable" in plan.describe()
+
+
+@pytest.fixture(scope="module")
+def demo_engine_parts():
+    from ling3_rknn.model import Model
+
+    bundle = Bundle.open(demo.bundle_dir(), verify="size")
+    return bundle, Model.from_bundle(bundle, verify="none", threads=1)
+
+
+def test_the_plan_counts_the_bundle_files_and_one_sequence(demo_engine_parts) -> None:
+    bundle, model = demo_engine_parts
+    plan = loading.memory_plan_for(model, LoadOptions(), 4096, meminfo=board(8, 8))
+    assert plan.model_bytes == sum(p.stat().st_size for p in bundle.root.rglob("*")
+                                   if p.is_file() and p.name not in ("manifest.json",
+                                                                     ".verified.json"))
+    state = model.new_state()
+    rows = 4096 * model.config.latent_dim * 4 * len(state.latents)
+    kda = sum(r.body.nbytes + r.scale.nbytes for r in state.recurrent.values())
+    kda += sum(c.nbytes for c in state.conv.values())
+    assert plan.sequence_bytes == rows + kda
+
+
+def test_serving_applies_the_plan(demo_engine_parts, monkeypatch, caplog) -> None:
+    """make_engine hands the planned sizes to the engine and the model, and logs them."""
+    _, model = demo_engine_parts
+    from ling3_rknn.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(model.bundle.path(model.bundle.manifest.tokenizer))
+    tiny = {"MemTotal": 3 * GIB, "MemAvailable": 3 * GIB}  # 2 GiB spare after the reserve
+    monkeypatch.setattr(loading, "read_meminfo", lambda path=None: tiny)
+    built = {}
+
+    def engine(model, tokenizer, options):  # the options the real Engine would get
+        built["options"] = options
+        return options
+
+    import ling3_rknn.engine
+
+    monkeypatch.setattr(ling3_rknn.engine, "Engine", engine)
+    before = model.prefill_scratch_bytes
+    try:
+        with caplog.at_level(logging.INFO, logger="ling3_rknn.loading"):
+            loading.make_engine(model, tokenizer, LoadOptions(max_context=2048))
+        plan = loading.memory_plan_for(model, LoadOptions(), 2048, meminfo=tiny)
+        assert plan.cache_bytes + plan.prefill_scratch_bytes == plan.spare_bytes < 2 * GIB
+        assert built["options"].cache_bytes == plan.cache_bytes
+        assert model.prefill_scratch_bytes == plan.prefill_scratch_bytes
+        assert any("prefix cache" in r.getMessage() and "sized here" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        model.prefill_scratch_bytes = before
