@@ -107,6 +107,20 @@ def test_memory_against_the_bundle(tmp_path):
     assert host.memory(SysRoot(tmp_path / "nothing"), 1).status == "warn"
 
 
+def test_memory_says_what_serve_will_give_the_cache_and_the_scratch(tmp_path):
+    root = SysRoot(fake_board(tmp_path, mem_kb=8 * GIB_KB))  # 4 GiB of it available
+    gib = 2**30
+    roomy = host.memory(root, gib // 2, sequence=0)  # 3 GiB spare after the 1 GiB reserve
+    assert roomy.status == "ok"
+    assert "prefix cache 1.50 GiB and the prefill scratch 1.50 GiB" in roomy.detail
+    tight = host.memory(root, 3 * gib, sequence=5 * gib // 2)  # 4 - 2.5 - 1: 0.5 GiB spare
+    assert tight.status == "ok"
+    assert tight.data["cache_bytes"] + tight.data["prefill_scratch_bytes"] == gib // 2
+    full = host.memory(root, gib, sequence=3 * gib)
+    assert full.status == "warn" and "no room for a prefix cache" in full.detail
+    assert "--latent-cache float16" in full.fix
+
+
 def test_host_says_not_an_rk3588_and_checks_the_bundle(tmp_path, capsys):
     assert doctor([], tmp_path) == 0  # an empty root: no device tree
     out = capsys.readouterr().out

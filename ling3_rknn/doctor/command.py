@@ -83,7 +83,8 @@ def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot, *,
     add(_guarded("decode kernels", host.decode_kernels))
     add(bundle_checks)
     need = graphs.bundle_bytes(bundle) if bundle is not None else None
-    add(_guarded("memory", lambda: host.memory(sys_root, need)))
+    sequence = graphs.sequence_bytes(bundle) if bundle is not None else 0
+    add(_guarded("memory", lambda: host.memory(sys_root, need, sequence)))
     if bundle is None or quick:
         add([Check("graphs", "skip", "--quick" if quick else "no bundle")])
         return report

@@ -90,6 +90,17 @@ def bundle_bytes(bundle: Bundle) -> int:
     return sum(entry.size for entry in bundle.manifest.files.values())
 
 
+def sequence_bytes(bundle: Bundle) -> int:
+    """One sequence's state at serve's default context limit (float32 latent cache)."""
+    from ling3_rknn.config import ModelConfig
+    from ling3_rknn.loading import DEFAULT_MAX_CONTEXT
+    from ling3_rknn.model.state import StateLayout
+
+    config = ModelConfig.from_dict(bundle.manifest.model_config)
+    context = min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    return StateLayout.from_config(config).nbytes(context)
+
+
 def load_graphs(bundle: Bundle, rknnlite_cls: type, on_board: bool, runs: int | None
                 ) -> list[Check]:
     """Every stage on its cores; with ``runs``, median latency at T = 1 and the chunk."""

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from ling3_rknn.doctor.report import Check
 from ling3_rknn.doctor.sysfs import SysRoot
-from ling3_rknn.memory_plan import parse_meminfo
+from ling3_rknn.engine.options import DEFAULT_CACHE_BYTES
+from ling3_rknn.memory_plan import parse_meminfo, plan_memory
 from ling3_rknn.model import native, native_build
+from ling3_rknn.model.mla_expanded import PREFILL_SCRATCH_BYTES
 
 MEMINFO = "proc/meminfo"
 
@@ -69,14 +71,17 @@ def meminfo(sys: SysRoot) -> dict[str, int]:
     return parse_meminfo(sys.read(MEMINFO) or "")
 
 
-def memory(sys: SysRoot, need: int | None) -> Check:
-    """Total memory must hold the bundle; available memory below it means paging."""
+def memory(sys: SysRoot, need: int | None, sequence: int = 0) -> Check:
+    """Total memory must hold the bundle; available memory below it means paging. With a
+    bundle, also what ``serve`` will give the prefix cache and the prefill scratch at its
+    defaults (``memory_plan``; ``sequence``: one sequence's state at the default context)."""
     info = meminfo(sys)
     total, avail = info.get("MemTotal"), info.get("MemAvailable")
     if total is None or avail is None:
         return Check("memory", "warn", f"{SysRoot.shown(MEMINFO)} not readable")
     gib = 2**30
-    data = {"total_bytes": total, "available_bytes": avail, "bundle_bytes": need}
+    data: dict[str, object] = {"total_bytes": total, "available_bytes": avail,
+                               "bundle_bytes": need}
     detail = f"{avail / gib:.1f} GiB available of {total / gib:.1f} GiB"
     if need is None:
         return Check("memory", "ok", detail, data=data)
@@ -89,4 +94,16 @@ def memory(sys: SysRoot, need: int | None) -> Check:
         return Check("memory", "warn", detail + ": more than is free now, expect paging",
                      fix="stop other services (free -h; systemctl list-units --type=service)",
                      data=data)
+    plan = plan_memory(model_bytes=need, sequence_bytes=sequence, meminfo=info,
+                       cache_bytes=None, prefill_scratch_bytes=None,
+                       default_cache_bytes=DEFAULT_CACHE_BYTES,
+                       default_prefill_scratch_bytes=PREFILL_SCRATCH_BYTES)
+    data.update(cache_bytes=plan.cache_bytes, prefill_scratch_bytes=plan.prefill_scratch_bytes)
+    detail += (f"; serve will give the prefix cache {plan.cache_bytes / gib:.2f} GiB and the "
+               f"prefill scratch {plan.prefill_scratch_bytes / gib:.2f} GiB")
+    if plan.cache_bytes == 0:
+        return Check("memory", "warn", detail + ": no room for a prefix cache in memory, "
+                     "every turn is prefilled from its disk tier or from scratch",
+                     fix="serve --latent-cache float16 (half the per-sequence memory), a "
+                         "smaller --max-context, or stop other services", data=data)
     return Check("memory", "ok", detail, data=data)
