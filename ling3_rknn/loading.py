@@ -121,10 +121,12 @@ def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
     beside the model allows, at most the defaults. ``meminfo``: None reads the machine's."""
     from ling3_rknn.engine.options import DEFAULT_CACHE_BYTES
     from ling3_rknn.model.mla_expanded import PREFILL_SCRATCH_BYTES
+    from ling3_rknn.model.state import StateLayout
 
     return plan_memory(
         model_bytes=_model_bytes(model),
-        sequence_bytes=model.new_state().layout.nbytes(max_context),
+        sequence_bytes=StateLayout.from_config(model.config, model.latent_dtype).nbytes(
+            max_context),
         meminfo=read_meminfo() if meminfo is None else meminfo,
         cache_bytes=options.cache_bytes,
         prefill_scratch_bytes=options.prefill_scratch_bytes,
