@@ -42,6 +42,13 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_size_or_auto(text: str) -> int | None:
+    """``parse_size``, or None for ``auto``: sized at start from the machine's memory
+    (``ling3_rknn.memory_plan``); the systemd unit passes every flag, so it needs a word
+    for "not set"."""
+    return None if text.strip().lower() == "auto" else parse_size(text)
+
+
 def _chunk_sizes(text: str) -> tuple[int, ...]:
     """``64`` or ``64,256``: distinct sizes, smallest first."""
     try:
@@ -101,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
              "/proc/PID/cmdline",
     )
     serve.add_argument(
-        "--cache-bytes", type=parse_size, metavar="N",
-        help="the prefix cache's memory tier (0: no cache). Default: up to 2G, what this "
-             "machine's memory leaves beside the model (shared with --prefill-scratch; "
-             "the sizes chosen are logged at start)",
+        "--cache-bytes", type=parse_size_or_auto, metavar="N",
+        help="the prefix cache's memory tier (0: no cache). Default (or auto): up to 2G, "
+             "what this machine's memory leaves beside the model (shared with "
+             "--prefill-scratch; the sizes chosen are logged at start)",
     )
     serve.add_argument("--cache-dir", type=Path, metavar="DIR", help="persist the prefix cache")
     serve.add_argument("--max-context", type=_positive_int, metavar="N", help="context limit")
@@ -162,11 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
              "instead of 453 MB) for a rounding of 2^-11 per cached value (default float32)",
     )
     serve.add_argument(
-        "--prefill-scratch", type=parse_size, metavar="N",
+        "--prefill-scratch", type=parse_size_or_auto, metavar="N",
         help="memory a prompt's expanded MLA rows may take while it is evaluated (3.4x "
              "fewer attention FLOPs; 2G covers a 16.6K-token prompt of Ling-3.0-tiny; "
-             "longer prompts continue in the absorbed form; 0: never). Default: up to 2G, "
-             "what this machine's memory leaves beside the model (see --cache-bytes)",
+             "longer prompts continue in the absorbed form; 0: never). Default (or auto): up "
+             "to 2G, what this machine's memory leaves beside the model (see --cache-bytes)",
     )
     serve.add_argument(
         "--verify", choices=["stamped", "full", "size"], default="stamped",

@@ -106,12 +106,17 @@ def make_engine(
     resolved = replace(resolved, prefill_chunk=model.prefill_chunk)
     plan = memory_plan_for(model, options, resolved.max_context)
     log.info("%s", plan.describe())
-    if plan.over_by:
-        log.warning("--cache-bytes and --prefill-scratch exceed this machine's spare memory "
-                    "by %.2f GiB: expect swapping or the OOM killer under long prompts",
-                    plan.over_by / 2**30)
+    for warning in plan.warnings():
+        log.warning("memory: %s", warning)
     model.prefill_scratch_bytes = plan.prefill_scratch_bytes
-    return Engine(model, tokenizer, replace(resolved, cache_bytes=plan.cache_bytes))
+    # the disk tier holds no memory: a cache sized down here keeps the default disk budget
+    disk = resolved.cache_disk_bytes
+    if disk is None and "cache" in plan.auto:
+        disk = 4 * resolved.cache_bytes
+    engine = Engine(model, tokenizer,
+                    replace(resolved, cache_bytes=plan.cache_bytes, cache_disk_bytes=disk))
+    engine.memory_plan = plan
+    return engine
 
 
 def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
@@ -136,10 +141,12 @@ def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
 
 
 def _model_bytes(model: Model) -> int:
-    """What the model occupies: a bundle's files (its routed experts may be mapped and not
-    yet read), else the process's resident memory now (an HF checkpoint's numpy model)."""
+    """What the model occupies: the bundle files it reads (the routed experts may be
+    mapped and not yet read; an rk3588 bundle's ONNX twins stay on disk on a board), else
+    the process's resident memory now (an HF checkpoint's numpy model; this counts the
+    Python runtime too, which ``RUNTIME_RESERVE`` also covers: an overestimate)."""
     if model.bundle is not None:
-        return sum(entry.size for entry in model.bundle.manifest.files.values())
+        return model.bundle.loaded_bytes(npu_graphs=model.npu_graphs)
     status = read_meminfo(Path("/proc/self/status")) or {}
     return status.get("VmRSS", 0)
 

@@ -3,8 +3,8 @@
 Two consumers have sizes an operator can set and that a board cannot always afford at their
 defaults: the prefix cache's memory tier (``--cache-bytes``, default 2 GiB) and a prompt's
 expanded-MLA prefill scratch (``--prefill-scratch``, default 2 GiB). Ling-3.0-tiny's bundle
-is ~6 GB, so on an 8 GB CM3588 the two defaults alone would push the process into swap or
-the OOM killer. What the operator did not set is sized here, at load, from what the machine
+is ~5.7 GB, so on an 8 GB CM3588 the two defaults alone would push the process into swap
+or the OOM killer. What the operator did not set is sized here, at load, from what the machine
 has left (docs/performance.md, "Where the memory goes"):
 
     spare = min(MemAvailable, MemTotal - model bytes) - one sequence at the context limit
@@ -13,8 +13,11 @@ has left (docs/performance.md, "Where the memory goes"):
 ``MemAvailable`` is read after the model loaded; ``MemTotal - model bytes`` also covers
 model pages that are memory-mapped but not yet resident (which MemAvailable still counts as
 free). The unset consumers split ``spare`` evenly, each up to its default, and one's unused
-share goes to the other. Values the operator set are kept as given (a warning says when
-they exceed ``spare``). Where ``/proc/meminfo`` is unreadable (not Linux) the defaults stand.
+share goes to the other; the cache first gets what one sequence at the context limit needs
+(the largest snapshot it may be asked to keep: a snapshot bigger than the cache is not
+kept at all) when ``spare`` has it. Values the operator set are kept as given (a warning
+says when they exceed ``spare``). Where ``/proc/meminfo`` lacks the figures (not Linux) the
+defaults stand.
 """
 
 from __future__ import annotations
@@ -62,12 +65,27 @@ class MemoryPlan:
     auto: tuple[str, ...]  # which of the two were sized here ("cache", "prefill scratch")
     over_by: int = 0  # how far the operator's values exceed ``spare_bytes``
 
+    def warnings(self) -> list[str]:
+        """What an operator should know about these sizes (empty when all is well)."""
+        found = []
+        if self.over_by:
+            found.append(f"the sizes set exceed this machine's spare memory by "
+                         f"{_gib(self.over_by)}: expect swapping or the OOM killer under long "
+                         "prompts")
+        if self.spare_bytes is not None and self.cache_bytes < self.sequence_bytes:
+            found.append(f"the prefix cache ({_gib(self.cache_bytes)}) cannot keep a snapshot "
+                         f"of a prompt at the context limit ({_gib(self.sequence_bytes)}): "
+                         "long prompts are not cached; --latent-cache float16 or a smaller "
+                         "--max-context shrink them")
+        return found
+
     def describe(self) -> str:
         """One log line: the sizes, which were chosen here, and from what."""
         sizes = (f"prefix cache {_gib(self.cache_bytes)} in memory, prefill scratch "
                  f"{_gib(self.prefill_scratch_bytes)}")
         if self.spare_bytes is None:
-            return f"memory: {sizes} (the defaults: this machine's memory is not readable)"
+            return (f"memory: {sizes} (the defaults: MemTotal and MemAvailable are not readable "
+                    "here)")
         chosen = f"; sized here: {', '.join(self.auto)}" if self.auto else ""
         return (f"memory: {sizes}{chosen} (of {_gib(self.total_bytes or 0)}: model "
                 f"{_gib(self.model_bytes)}, one sequence at the context limit "
@@ -101,9 +119,10 @@ def plan_memory(
     free = max(0, spare - fixed)
     auto: list[str] = []
     if cache_bytes is None and prefill_scratch_bytes is None:
-        scratch = min(default_prefill_scratch_bytes, free // 2)
-        cache = min(default_cache_bytes, free - scratch)
-        scratch = min(default_prefill_scratch_bytes, free - cache)  # what the cache left
+        # one full-context snapshot first, then halves; each share at most its default
+        cache = min(default_cache_bytes, max(free // 2, min(free, sequence_bytes)))
+        scratch = min(default_prefill_scratch_bytes, free - cache)
+        cache = min(default_cache_bytes, free - scratch)  # what the scratch left
         auto = ["cache", "prefill scratch"]
     elif cache_bytes is None:
         scratch = prefill_scratch_bytes or 0

@@ -66,3 +66,18 @@ KERNEL_WIDTHS_FIXTURE = "kernel_widths"
 def tiny_model_dir() -> Path:
     """An HF-style checkpoint directory of a tiny random Ling-3.0 model (vocab 256)."""
     return ORACLE_DIR / ORACLE_FIXTURES[0]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def roomy_machine():
+    """Serving sizes its prefix cache and prefill scratch from the memory the machine has
+    free (``ling3_rknn.memory_plan``): in-process engines see a roomy machine here, so a
+    test's cache does not depend on what the runner has free (test_memory_plan.py tests
+    the plan itself). Session-scoped so module-scoped engines are built under it too."""
+    from ling3_rknn import loading
+
+    roomy = {"MemTotal": 64 << 30, "MemAvailable": 64 << 30}
+    patch = pytest.MonkeyPatch()
+    patch.setattr(loading, "read_meminfo", lambda path=None: roomy)
+    yield
+    patch.undo()

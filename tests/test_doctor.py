@@ -110,15 +110,15 @@ def test_memory_against_the_bundle(tmp_path):
 def test_memory_says_what_serve_will_give_the_cache_and_the_scratch(tmp_path):
     root = SysRoot(fake_board(tmp_path, mem_kb=8 * GIB_KB))  # 4 GiB of it available
     gib = 2**30
-    roomy = host.memory(root, gib // 2, sequence=0)  # 3 GiB spare after the 1 GiB reserve
-    assert roomy.status == "ok"
-    assert "prefix cache 1.50 GiB and the prefill scratch 1.50 GiB" in roomy.detail
-    tight = host.memory(root, 3 * gib, sequence=5 * gib // 2)  # 4 - 2.5 - 1: 0.5 GiB spare
-    assert tight.status == "ok"
-    assert tight.data["cache_bytes"] + tight.data["prefill_scratch_bytes"] == gib // 2
-    full = host.memory(root, gib, sequence=3 * gib)
-    assert full.status == "warn" and "no room for a prefix cache" in full.detail
-    assert "--latent-cache float16" in full.fix
+    # after loading a 0.5 GiB bundle 3.5 GiB are left: 2.25 spare beside one 0.25 GiB
+    # sequence and the 1 GiB reserve, halved
+    roomy = host.memory(root, gib // 2, sequence=gib // 4)
+    assert roomy.status == "ok", roomy.detail
+    assert "prefix cache 1.12 GiB and the prefill scratch 1.12 GiB" in roomy.detail
+    assert roomy.data["cache_bytes"] + roomy.data["prefill_scratch_bytes"] == 9 * gib // 4
+    full = host.memory(root, gib, sequence=5 * gib // 2)  # nothing spare once loaded
+    assert full.status == "warn" and full.data["cache_bytes"] == 0
+    assert "cannot keep a snapshot" in full.detail and "--latent-cache float16" in full.fix
 
 
 def test_host_says_not_an_rk3588_and_checks_the_bundle(tmp_path, capsys):

@@ -38,15 +38,27 @@ def test_an_unreadable_meminfo_is_none(tmp_path: Path) -> None:
 
 
 def test_an_8gb_board_gets_what_it_can_spare_not_the_defaults() -> None:
-    # Ling-3.0-tiny's ~6 GB bundle, 2 GB left after loading, one 32K sequence (0.46 GB)
-    plan = plan_memory(model_bytes=int(5.9 * GIB), sequence_bytes=int(0.46 * GIB),
-                       meminfo=board(7.7, 2.0), cache_bytes=None, prefill_scratch_bytes=None,
+    # Ling-3.0-tiny's 5.3 GiB bundle, 2.3 GiB left after loading, one 32K sequence
+    plan = plan_memory(model_bytes=int(5.33 * GIB), sequence_bytes=int(0.44 * GIB),
+                       meminfo=board(7.7, 2.3), cache_bytes=None, prefill_scratch_bytes=None,
                        **DEFAULTS)
-    spare = int(min(2.0, 7.7 - 5.9) * GIB) - int(0.46 * GIB) - RUNTIME_RESERVE
+    spare = int(2.3 * GIB) - int(0.44 * GIB) - RUNTIME_RESERVE
     assert plan.spare_bytes == spare
     assert plan.cache_bytes + plan.prefill_scratch_bytes == spare
-    assert abs(plan.cache_bytes - plan.prefill_scratch_bytes) <= 1
+    # the cache first holds one snapshot at the context limit, the rest is split
+    assert plan.cache_bytes == int(0.44 * GIB) and plan.prefill_scratch_bytes > 0.4 * GIB
     assert plan.auto == ("cache", "prefill scratch") and plan.over_by == 0
+    assert plan.warnings() == []
+
+
+def test_a_cache_too_small_for_one_long_snapshot_takes_all_and_is_flagged() -> None:
+    plan = plan_memory(model_bytes=int(5.33 * GIB), sequence_bytes=int(0.44 * GIB),
+                       meminfo=board(7.7, 1.7), cache_bytes=None, prefill_scratch_bytes=None,
+                       **DEFAULTS)
+    assert 0 < plan.cache_bytes == plan.spare_bytes < int(0.44 * GIB)
+    assert plan.prefill_scratch_bytes == 0
+    (warning,) = plan.warnings()
+    assert "cannot keep a snapshot" in warning and "--latent-cache float16" in warning
 
 
 def test_model_pages_not_yet_resident_still_count() -> None:
@@ -64,7 +76,8 @@ def test_a_16gb_board_keeps_the_defaults() -> None:
 
 
 def test_one_consumer_capped_leaves_the_rest_to_the_other() -> None:
-    # 3 GiB spare: the cache takes its 2 GiB default, the scratch the remaining 1 GiB
+    # 4 GiB spare: each takes its 2 GiB half; with a 0.5 GiB cache default, the scratch
+    # takes what the cache leaves
     plan = plan_memory(model_bytes=0, sequence_bytes=0, meminfo=board(4 + 1, 4 + 1),
                        cache_bytes=None, prefill_scratch_bytes=None,
                        default_cache_bytes=2 * GIB, default_prefill_scratch_bytes=8 * GIB)
@@ -91,6 +104,14 @@ def test_operator_values_beyond_the_machine_are_kept_and_flagged() -> None:
                        cache_bytes=4 * GIB, prefill_scratch_bytes=None, **DEFAULTS)
     assert plan.cache_bytes == 4 * GIB and plan.prefill_scratch_bytes == 0
     assert plan.over_by == 4 * GIB - plan.spare_bytes > 0
+    assert "exceed this machine's spare memory" in plan.warnings()[0]
+
+
+def test_an_explicit_zero_cache_leaves_everything_to_the_scratch() -> None:
+    plan = plan_memory(model_bytes=0, sequence_bytes=0, meminfo=board(4, 4), cache_bytes=0,
+                       prefill_scratch_bytes=None, **DEFAULTS)
+    assert (plan.cache_bytes, plan.prefill_scratch_bytes) == (0, 2 * GIB)
+    assert plan.warnings() == []  # no sequence to keep: nothing to flag
 
 
 def test_no_spare_memory_means_no_cache_and_no_scratch() -> None:
@@ -117,9 +138,15 @@ def demo_engine_parts():
 def test_the_plan_counts_the_bundle_files_and_one_sequence(demo_engine_parts) -> None:
     bundle, model = demo_engine_parts
     plan = loading.memory_plan_for(model, LoadOptions(), 4096, meminfo=board(8, 8))
+    # on a host the mock runs the ONNX twins: the .rknn files stay on disk
+    assert not model.npu_graphs
     assert plan.model_bytes == sum(p.stat().st_size for p in bundle.root.rglob("*")
-                                   if p.is_file() and p.name not in ("manifest.json",
-                                                                     ".verified.json"))
+                                   if p.is_file() and p.suffix != ".rknn"
+                                   and p.name not in ("manifest.json", ".verified.json"))
+    twins = {bundle.path(s.onnx) for s in bundle.manifest.stages.values()}
+    assert bundle.loaded_bytes(npu_graphs=True) == sum(
+        p.stat().st_size for p in bundle.root.rglob("*")
+        if p.is_file() and p not in twins and p.name not in ("manifest.json", ".verified.json"))
     state = model.new_state()
     rows = 4096 * model.config.latent_dim * 4 * len(state.latents)
     kda = sum(r.body.nbytes + r.scale.nbytes for r in state.recurrent.values())
@@ -137,20 +164,24 @@ def test_serving_applies_the_plan(demo_engine_parts, monkeypatch, caplog) -> Non
     monkeypatch.setattr(loading, "read_meminfo", lambda path=None: tiny)
     built = {}
 
-    def engine(model, tokenizer, options):  # the options the real Engine would get
-        built["options"] = options
-        return options
+    class Recorded:  # stands in for Engine: the options it would get
+        def __init__(self, model, tokenizer, options):
+            built["options"] = options
+            self.memory_plan = None
 
     import ling3_rknn.engine
 
-    monkeypatch.setattr(ling3_rknn.engine, "Engine", engine)
+    monkeypatch.setattr(ling3_rknn.engine, "Engine", Recorded)
     before = model.prefill_scratch_bytes
     try:
         with caplog.at_level(logging.INFO, logger="ling3_rknn.loading"):
-            loading.make_engine(model, tokenizer, LoadOptions(max_context=2048))
+            engine = loading.make_engine(model, tokenizer, LoadOptions(max_context=2048))
         plan = loading.memory_plan_for(model, LoadOptions(), 2048, meminfo=tiny)
         assert plan.cache_bytes + plan.prefill_scratch_bytes == plan.spare_bytes < 2 * GIB
+        assert engine.memory_plan == plan
         assert built["options"].cache_bytes == plan.cache_bytes
+        # the disk tier holds no memory: it keeps the default budget
+        assert built["options"].cache_disk_bytes == 4 * 2 * GIB
         assert model.prefill_scratch_bytes == plan.prefill_scratch_bytes
         assert any("prefix cache" in r.getMessage() and "sized here" in r.getMessage()
                    for r in caplog.records)

@@ -27,6 +27,17 @@ def test_parse_size_rejects(text):
         cli.parse_size(text)
 
 
+def test_memory_sizes_take_auto():
+    """The unit passes every flag; auto (any case) leaves the size to the memory plan."""
+    args = cli.build_parser().parse_args(
+        ["serve", "--cache-bytes", "AUTO", "--prefill-scratch", "auto"])
+    assert args.cache_bytes is None and args.prefill_scratch is None
+    args = cli.build_parser().parse_args(["serve", "--cache-bytes", "0"])
+    assert args.cache_bytes == 0
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--prefill-scratch", "automatic"])
+
+
 def test_serve_defaults_bind_localhost(monkeypatch):
     monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
     args = cli.build_parser().parse_args(["serve", "--demo"])

@@ -71,7 +71,8 @@ def run_bench(args: argparse.Namespace) -> int:
         figures, executor=identity.executor_kind(bundle), machine=identity.machine(policy),
         bundle=identity.bundle_identity(bundle, engine.model_id), quick=args.quick,
         load_s=load_s, rss=identity.rss_bytes(),
-        npu_resident_bytes=identity.npu_resident_bytes(bundle))
+        npu_resident_bytes=identity.npu_resident_bytes(bundle),
+        memory=identity.memory_sizes(engine.memory_plan))
     report.write_report(result, args.json)
     print(report.summary(result))
     print(f"report: {args.json}")

@@ -17,6 +17,7 @@ from typing import Any
 
 from ling3_rknn.bundle import Bundle
 from ling3_rknn.cpu_threads import ThreadPolicy, is_rk3588
+from ling3_rknn.memory_plan import MemoryPlan
 from ling3_rknn.npu import MockRKNNLite, resolve_rknnlite
 
 
@@ -88,3 +89,12 @@ def rss_bytes() -> tuple[int, int]:
     except OSError:
         pass
     return peak, peak
+
+
+def memory_sizes(plan: MemoryPlan | None) -> dict[str, int | None] | None:
+    """The sizes the engine ran with: a prefill past the scratch runs in the slower absorbed
+    form, so a report from a machine with less spare memory says why."""
+    if plan is None:
+        return None
+    return {"cache_bytes": plan.cache_bytes, "prefill_scratch_bytes": plan.prefill_scratch_bytes,
+            "spare_bytes": plan.spare_bytes, "total_bytes": plan.total_bytes}

@@ -25,7 +25,8 @@ def _mean(values: list[float | None]) -> float | None:
 
 def build_report(figures: dict[str, Any], *, executor: str, machine: dict[str, Any],
                  bundle: dict[str, Any], quick: bool, load_s: float, rss: tuple[int, int],
-                 npu_resident_bytes: int) -> dict[str, Any]:
+                 npu_resident_bytes: int, memory: dict[str, int | None] | None = None
+                 ) -> dict[str, Any]:
     runs = figures["runs"]
     return {
         "schema": SCHEMA,
@@ -47,6 +48,7 @@ def build_report(figures: dict[str, Any], *, executor: str, machine: dict[str, A
         "prefix_cache": figures["prefix_cache"],
         "agent_first_request": figures["agent_first_request"],
         "empty_graph": figures["empty_graph"],
+        "memory": memory,  # the prefix cache's and the prefill scratch's sizes, and from what
         "rss_bytes": rss[0],
         "rss_peak_bytes": rss[1],
         "npu_resident_bytes": npu_resident_bytes,

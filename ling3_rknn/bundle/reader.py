@@ -98,6 +98,17 @@ class Bundle:
             raise MissingFileError(relpath)
         return self.root / relpath
 
+    def loaded_bytes(self, npu_graphs: bool) -> int:
+        """What loading the bundle brings into memory: every file but the stage graphs the
+        runtime leaves on disk. An rk3588 bundle holds each stage twice, as ``.rknn`` for
+        the NPU and as its ONNX twin for a host's mock; ``npu_graphs`` says which is read."""
+        unused: set[str] = set()
+        for spec in self.manifest.stages.values():
+            if spec.rknn is not None:
+                unused.add(spec.onnx if npu_graphs else spec.rknn)
+        return sum(entry.size for rel, entry in self.manifest.files.items()
+                   if rel not in unused and not any(rel.startswith(u + ".") for u in unused))
+
     def verify(self, mode: VerifyMode = "full",
                progress: Callable[[int], None] | None = None) -> None:
         """Check every manifest file; a typed error names the first bad one.

@@ -82,9 +82,9 @@ def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot, *,
     add(_guarded("Python packages", host.runtime_packages))
     add(_guarded("decode kernels", host.decode_kernels))
     add(bundle_checks)
-    need = graphs.bundle_bytes(bundle) if bundle is not None else None
-    sequence = graphs.sequence_bytes(bundle) if bundle is not None else 0
-    add(_guarded("memory", lambda: host.memory(sys_root, need, sequence)))
+    need = bundle.loaded_bytes(npu_graphs=on_board) if bundle is not None else None
+    add(_guarded("memory", lambda: host.memory(
+        sys_root, need, graphs.sequence_bytes(bundle) if bundle is not None else 0)))
     if bundle is None or quick:
         add([Check("graphs", "skip", "--quick" if quick else "no bundle")])
         return report

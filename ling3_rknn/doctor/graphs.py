@@ -91,7 +91,8 @@ def bundle_bytes(bundle: Bundle) -> int:
 
 
 def sequence_bytes(bundle: Bundle) -> int:
-    """One sequence's state at serve's default context limit (float32 latent cache)."""
+    """One sequence's state at serve's defaults (the context limit, a float32 latent
+    cache): what the memory plan keeps for it."""
     from ling3_rknn.config import ModelConfig
     from ling3_rknn.loading import DEFAULT_MAX_CONTEXT
     from ling3_rknn.model.state import StateLayout

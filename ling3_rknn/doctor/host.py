@@ -94,16 +94,19 @@ def memory(sys: SysRoot, need: int | None, sequence: int = 0) -> Check:
         return Check("memory", "warn", detail + ": more than is free now, expect paging",
                      fix="stop other services (free -h; systemctl list-units --type=service)",
                      data=data)
-    plan = plan_memory(model_bytes=need, sequence_bytes=sequence, meminfo=info,
+    # doctor runs before the service loads the model: what will be left once it has
+    loaded = {"MemTotal": total, "MemAvailable": max(0, avail - need)}
+    plan = plan_memory(model_bytes=need, sequence_bytes=sequence, meminfo=loaded,
                        cache_bytes=None, prefill_scratch_bytes=None,
                        default_cache_bytes=DEFAULT_CACHE_BYTES,
                        default_prefill_scratch_bytes=PREFILL_SCRATCH_BYTES)
     data.update(cache_bytes=plan.cache_bytes, prefill_scratch_bytes=plan.prefill_scratch_bytes)
-    detail += (f"; serve will give the prefix cache {plan.cache_bytes / gib:.2f} GiB and the "
-               f"prefill scratch {plan.prefill_scratch_bytes / gib:.2f} GiB")
-    if plan.cache_bytes == 0:
-        return Check("memory", "warn", detail + ": no room for a prefix cache in memory, "
-                     "every turn is prefilled from its disk tier or from scratch",
+    detail += (f"; serve at its defaults (auto sizes, float32 latents, a 32K context) will "
+               f"give the prefix cache {plan.cache_bytes / gib:.2f} GiB and the prefill "
+               f"scratch {plan.prefill_scratch_bytes / gib:.2f} GiB")
+    warnings = plan.warnings()
+    if warnings:
+        return Check("memory", "warn", f"{detail}: {'; '.join(warnings)}",
                      fix="serve --latent-cache float16 (half the per-sequence memory), a "
                          "smaller --max-context, or stop other services", data=data)
     return Check("memory", "ok", detail, data=data)

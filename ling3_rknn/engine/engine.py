@@ -20,6 +20,7 @@ import numpy as np
 
 from ling3_rknn.chat import markers
 from ling3_rknn.chat.events import Admitted, Finished, GenerationEvent
+from ling3_rknn.memory_plan import MemoryPlan
 from ling3_rknn.tokenizer import TooManyTokens
 
 from .api import (
@@ -54,6 +55,8 @@ class Engine:
     ) -> None:
         self.model_id = options.model_id
         self.max_context = options.max_context
+        # how its loader sized the cache and the prefill scratch (``loading.make_engine``)
+        self.memory_plan: MemoryPlan | None = None
         self._defaults = options.generation_defaults
         # A request without max_tokens gets this cap: one runaway answer would otherwise
         # hold the single-stream device until the context is full (README, "Serving").

@@ -23,7 +23,7 @@ from ..bundle import (
     mla_value_basis_key,
 )
 from ..config import ConfigError, ModelConfig
-from ..npu import GraphExecutor, resolve_rknnlite
+from ..npu import GraphExecutor, MockRKNNLite, resolve_rknnlite
 from .bundle_executors import check_not_placeholder, open_experts, open_stage
 from .bundle_stages import BundleExperts, GraphStages
 from .cpu_weights import CpuWeights
@@ -42,6 +42,7 @@ class BundleParts:
     stages: GraphStages
     experts: BundleExperts
     cpu: CpuWeights
+    npu_graphs: bool = False  # the stages run from their .rknn files (the real RKNNLite)
 
 
 def runtime_for(executor: str) -> str | None:
@@ -120,4 +121,5 @@ def load_bundle_parts(bundle: Bundle, executor: ExecutorChoice = "auto", threads
         for ex in executors.values():
             ex.close()
         raise
-    return BundleParts(cfg, stages, BundleExperts(cpu, npu, stages), cpu_weights)
+    on_npu = rknnlite_cls is not None and rknnlite_cls is not MockRKNNLite
+    return BundleParts(cfg, stages, BundleExperts(cpu, npu, stages), cpu_weights, on_npu)

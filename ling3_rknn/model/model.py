@@ -60,9 +60,11 @@ class Model:
         bundle: Bundle | None = None,
         latent_dtype: str = "float32",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        npu_graphs: bool = False,
     ) -> None:
         self.config = config
         self.bundle = bundle  # the bundle it was loaded from (``from_bundle``), else None
+        self.npu_graphs = npu_graphs  # its stages run from the bundle's .rknn files
         self.stages = stages
         self.experts = experts
         self.cpu = cpu
@@ -132,7 +134,8 @@ class Model:
         parts = load_bundle_parts(bundle, executor, policy.threads)
         return cls(parts.config, parts.stages, parts.experts, parts.cpu,
                    threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype,
-                   prefill_chunk=max(parts.stages.chunk_sizes[-1], DEFAULT_PREFILL_CHUNK))
+                   prefill_chunk=max(parts.stages.chunk_sizes[-1], DEFAULT_PREFILL_CHUNK),
+                   npu_graphs=parts.npu_graphs)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, self.latent_dtype)
