@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ling3_rknn.memory_plan import MemoryPlan, plan_memory, read_meminfo
+from ling3_rknn.memory_plan import MemoryPlan, machine_memory, plan_memory, read_meminfo
 
 if TYPE_CHECKING:
     from ling3_rknn.engine import Engine, EngineOptions, TokenizerLike
@@ -123,7 +123,8 @@ def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
                     meminfo: dict[str, int] | None = None) -> MemoryPlan:
     """The prefix cache's and the prefill scratch's sizes for this machine
     (``ling3_rknn.memory_plan``): the operator's values, else what the memory left
-    beside the model allows, at most the defaults. ``meminfo``: None reads the machine's."""
+    beside the model allows, at most the defaults. ``meminfo``: None reads the machine's
+    (``memory_plan.machine_memory``: its cgroup limit included)."""
     from ling3_rknn.engine.options import DEFAULT_CACHE_BYTES
     from ling3_rknn.model.mla_expanded import PREFILL_SCRATCH_BYTES
     from ling3_rknn.model.state import StateLayout
@@ -132,7 +133,7 @@ def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
         model_bytes=_model_bytes(model),
         sequence_bytes=StateLayout.from_config(model.config, model.latent_dtype).nbytes(
             max_context),
-        meminfo=read_meminfo() if meminfo is None else meminfo,
+        meminfo=machine_memory() if meminfo is None else meminfo,
         cache_bytes=options.cache_bytes,
         prefill_scratch_bytes=options.prefill_scratch_bytes,
         default_cache_bytes=DEFAULT_CACHE_BYTES,

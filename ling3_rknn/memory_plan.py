@@ -10,7 +10,9 @@ has left (docs/performance.md, "Where the memory goes"):
     spare = min(MemAvailable, MemTotal - model bytes) - one sequence at the context limit
             - RUNTIME_RESERVE
 
-``MemAvailable`` is read after the model loaded; ``MemTotal - model bytes`` also covers
+``MemAvailable`` is read after the model loaded, both figures capped by the process's
+cgroup limit when it has one (a container's ``--memory``, systemd's ``MemoryMax=``: the
+kernel holds the process to it whatever the machine has); ``MemTotal - model bytes`` also covers
 model pages that are memory-mapped but not yet resident (which MemAvailable still counts as
 free). The unset consumers split ``spare`` evenly, each up to its default, and one's unused
 share goes to the other; the cache first gets what one sequence at the context limit needs
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MEMINFO_PATH = Path("/proc/meminfo")
+CGROUP_PATH = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Python, onnxruntime's arenas and sessions, the HTTP server, the OS's own working set
 RUNTIME_RESERVE = 1 << 30
 _GIB = float(1 << 30)
@@ -49,6 +53,53 @@ def read_meminfo(path: Path = MEMINFO_PATH) -> dict[str, int] | None:
         return parse_meminfo(path.read_text(encoding="ascii", errors="replace"))
     except OSError:
         return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 says "max" for no limit
+
+
+def cgroup_memory(cgroup: Path = CGROUP_PATH, root: Path = CGROUP_ROOT
+                  ) -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup, v2 or v1, or None without
+    a limit. The path in ``/proc/self/cgroup`` is tried below ``root`` and, as inside a
+    container's namespace, at ``root`` itself."""
+    try:
+        lines = cgroup.read_text(encoding="ascii").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in lines:
+        _, controllers, rel = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":  # v2: the unified hierarchy
+            names, base = ("memory.max", "memory.current"), root
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own tree
+            names, base = ("memory.limit_in_bytes", "memory.usage_in_bytes"), root / "memory"
+        else:
+            continue
+        for where in (base / rel.lstrip("/"), base):
+            limit, usage = (_read_int(where / n) for n in names)
+            # v1 reports "no limit" as a huge number (2^63 rounded to pages)
+            if limit is not None and usage is not None and limit < 1 << 60:
+                return limit, usage
+    return None
+
+
+def machine_memory() -> dict[str, int] | None:
+    """``MemTotal`` and ``MemAvailable`` as this process may use them: ``/proc/meminfo``,
+    capped by its cgroup's limit (and the limit less what the cgroup already holds)."""
+    info = read_meminfo()
+    if info is None or "MemTotal" not in info or "MemAvailable" not in info:
+        return info
+    limited = cgroup_memory()
+    if limited is not None:
+        limit, usage = limited
+        info["MemTotal"] = min(info["MemTotal"], limit)
+        info["MemAvailable"] = min(info["MemAvailable"], max(0, limit - usage))
+    return info
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,6 @@ def roomy_machine():
 
     roomy = {"MemTotal": 64 << 30, "MemAvailable": 64 << 30}
     patch = pytest.MonkeyPatch()
-    patch.setattr(loading, "read_meminfo", lambda path=None: roomy)
+    patch.setattr(loading, "machine_memory", lambda: dict(roomy))
     yield
     patch.undo()

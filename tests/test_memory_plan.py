@@ -13,6 +13,7 @@ from ling3_rknn.bundle import Bundle
 from ling3_rknn.loading import LoadOptions
 from ling3_rknn.memory_plan import (
     RUNTIME_RESERVE,
+    cgroup_memory,
     parse_meminfo,
     plan_memory,
     read_meminfo,
@@ -161,7 +162,7 @@ def test_serving_applies_the_plan(demo_engine_parts, monkeypatch, caplog) -> Non
 
     tokenizer = Tokenizer.from_file(model.bundle.path(model.bundle.manifest.tokenizer))
     tiny = {"MemTotal": 3 * GIB, "MemAvailable": 3 * GIB}  # 2 GiB spare after the reserve
-    monkeypatch.setattr(loading, "read_meminfo", lambda path=None: tiny)
+    monkeypatch.setattr(loading, "machine_memory", lambda: dict(tiny))
     built = {}
 
     class Recorded:  # stands in for Engine: the options it would get
@@ -187,3 +188,50 @@ def test_serving_applies_the_plan(demo_engine_parts, monkeypatch, caplog) -> Non
                    for r in caplog.records)
     finally:
         model.prefill_scratch_bytes = before
+
+
+def _cgroup_files(tmp_path: Path, line: str, files: dict[str, str]) -> tuple[Path, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text(line + "\n")
+    for rel, text in files.items():
+        path = tmp_path / "fs" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return cgroup, tmp_path / "fs"
+
+
+def test_a_cgroup_v2_limit_caps_the_machine(tmp_path: Path) -> None:
+    cgroup, root = _cgroup_files(tmp_path, "0::/system.slice/ling3-rknn.service", {
+        "system.slice/ling3-rknn.service/memory.max": str(6 * GIB),
+        "system.slice/ling3-rknn.service/memory.current": str(GIB)})
+    assert cgroup_memory(cgroup, root) == (6 * GIB, GIB)
+
+
+def test_a_cgroup_v1_limit_inside_a_container_namespace(tmp_path: Path) -> None:
+    # the namespaced path does not exist below the mount: the limit sits at its root
+    cgroup, root = _cgroup_files(tmp_path, "4:memory:/docker/abc", {
+        "memory/memory.limit_in_bytes": str(8 * GIB),
+        "memory/memory.usage_in_bytes": str(2 * GIB)})
+    assert cgroup_memory(cgroup, root) == (8 * GIB, 2 * GIB)
+
+
+def test_no_cgroup_limit_is_none(tmp_path: Path) -> None:
+    cgroup, root = _cgroup_files(tmp_path, "0::/user.slice", {
+        "user.slice/memory.max": "max", "user.slice/memory.current": str(GIB)})
+    assert cgroup_memory(cgroup, root) is None
+    unlimited_v1, root_v1 = _cgroup_files(tmp_path / "v1", "4:memory:/", {
+        "memory/memory.limit_in_bytes": str(9223372036854771712),
+        "memory/memory.usage_in_bytes": str(GIB)})
+    assert cgroup_memory(unlimited_v1, root_v1) is None
+    assert cgroup_memory(tmp_path / "missing", root) is None
+
+
+def test_the_machine_figures_take_the_cgroup_limit(monkeypatch) -> None:
+    import ling3_rknn.memory_plan as memory_plan
+
+    monkeypatch.setattr(memory_plan, "read_meminfo", lambda path=None: board(32, 30))
+    monkeypatch.setattr(memory_plan, "cgroup_memory", lambda: (8 * GIB, 3 * GIB))
+    assert memory_plan.machine_memory() == {"MemTotal": 8 * GIB, "MemAvailable": 5 * GIB}
+    monkeypatch.setattr(memory_plan, "cgroup_memory", lambda: None)
+    assert memory_plan.machine_memory() == board(32, 30)
