@@ -92,14 +92,21 @@ def machine_memory() -> dict[str, int] | None:
     """``MemTotal`` and ``MemAvailable`` as this process may use them: ``/proc/meminfo``,
     capped by its cgroup's limit (and the limit less what the cgroup already holds)."""
     info = read_meminfo()
-    if info is None or "MemTotal" not in info or "MemAvailable" not in info:
-        return info
-    limited = cgroup_memory()
-    if limited is not None:
-        limit, usage = limited
-        info["MemTotal"] = min(info["MemTotal"], limit)
-        info["MemAvailable"] = min(info["MemAvailable"], max(0, limit - usage))
-    return info
+    if info is None:
+        return None
+    return capped_by_cgroup(info, cgroup_memory())
+
+
+def capped_by_cgroup(info: Mapping[str, int], limited: tuple[int, int] | None
+                     ) -> dict[str, int]:
+    """``MemTotal`` and ``MemAvailable`` of ``info`` capped by a cgroup's (limit, usage)."""
+    capped = dict(info)
+    if limited is None or "MemTotal" not in capped or "MemAvailable" not in capped:
+        return capped
+    limit, usage = limited
+    capped["MemTotal"] = min(capped["MemTotal"], limit)
+    capped["MemAvailable"] = min(capped["MemAvailable"], max(0, limit - usage))
+    return capped
 
 
 @dataclass(frozen=True)

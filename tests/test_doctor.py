@@ -121,6 +121,23 @@ def test_memory_says_what_serve_will_give_the_cache_and_the_scratch(tmp_path):
     assert "cannot keep a snapshot" in full.detail and "--latent-cache float16" in full.fix
 
 
+def test_memory_is_capped_by_the_services_cgroup(tmp_path):
+    """In ExecStartPre the doctor runs in the unit's cgroup: its MemoryMax= is the board."""
+    root = fake_board(tmp_path, mem_kb=32 * GIB_KB)
+    (root / "proc" / "self").mkdir(parents=True, exist_ok=True)
+    (root / "proc" / "self" / "cgroup").write_text("0::/system.slice/ling3-rknn.service\n")
+    unit = root / "sys" / "fs" / "cgroup" / "system.slice" / "ling3-rknn.service"
+    unit.mkdir(parents=True)
+    (unit / "memory.max").write_text(f"{6 * 2**30}\n")
+    (unit / "memory.current").write_text(f"{2**30}\n")
+    over = host.memory(SysRoot(root), 8 * 2**30)
+    assert over.status == "fail" and "cgroup" in over.detail and "MemoryMax=" in over.fix
+    assert over.data["total_bytes"] == 6 * 2**30
+    assert over.data["available_bytes"] == 5 * 2**30
+    (unit / "memory.max").write_text("max\n")  # no limit: the board's own figures
+    assert host.memory(SysRoot(root), 8 * 2**30).data["cgroup_limit_bytes"] is None
+
+
 def test_host_says_not_an_rk3588_and_checks_the_bundle(tmp_path, capsys):
     assert doctor([], tmp_path) == 0  # an empty root: no device tree
     out = capsys.readouterr().out

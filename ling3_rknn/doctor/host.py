@@ -11,7 +11,7 @@ from pathlib import Path
 from ling3_rknn.doctor.report import Check
 from ling3_rknn.doctor.sysfs import SysRoot
 from ling3_rknn.engine.options import DEFAULT_CACHE_BYTES
-from ling3_rknn.memory_plan import parse_meminfo, plan_memory
+from ling3_rknn.memory_plan import capped_by_cgroup, cgroup_memory, parse_meminfo, plan_memory
 from ling3_rknn.model import native, native_build
 from ling3_rknn.model.mla_expanded import PREFILL_SCRATCH_BYTES
 
@@ -75,18 +75,29 @@ def memory(sys: SysRoot, need: int | None, sequence: int = 0) -> Check:
     """Total memory must hold the bundle; available memory below it means paging. With a
     bundle, also what ``serve`` will give the prefix cache and the prefill scratch at its
     defaults (``memory_plan``; ``sequence``: one sequence's state at the default context)."""
-    info = meminfo(sys)
+    # In the unit's ExecStartPre the doctor shares the service's cgroup, so its MemoryMax=
+    # caps these figures as it will cap serve's.
+    limited = cgroup_memory(sys.path("proc/self/cgroup"), sys.path("sys/fs/cgroup"))
+    info = capped_by_cgroup(meminfo(sys), limited)
     total, avail = info.get("MemTotal"), info.get("MemAvailable")
     if total is None or avail is None:
         return Check("memory", "warn", f"{SysRoot.shown(MEMINFO)} not readable")
     gib = 2**30
     data: dict[str, object] = {"total_bytes": total, "available_bytes": avail,
-                               "bundle_bytes": need}
+                               "bundle_bytes": need,
+                               "cgroup_limit_bytes": limited[0] if limited else None}
     detail = f"{avail / gib:.1f} GiB available of {total / gib:.1f} GiB"
+    capped = limited is not None and limited[0] == total
+    if capped:
+        detail += " (this process's cgroup limit)"
     if need is None:
         return Check("memory", "ok", detail, data=data)
     detail += f"; the bundle takes {need / gib:.2f} GiB"
     if need > total:
+        if capped:
+            return Check("memory", "fail", detail + ": more than the cgroup allows",
+                         fix="raise MemoryMax= (systemctl edit ling3-rknn) or the container's "
+                             "memory limit", data=data)
         return Check("memory", "fail", detail + ": more than the board has",
                      fix="use a board with more memory (16 GB or 32 GB CM3588), or a smaller "
                          "conversion (--experts int4)", data=data)
