@@ -23,7 +23,8 @@ from ling3_rknn.engine import (
     TextDelta,
 )
 from ling3_rknn.engine.snapshot_store import model_fingerprint
-from ling3_rknn.model import Model
+from ling3_rknn.model import Model, native
+from ling3_rknn.model.mla_expanded import ExpandedRows
 from ling3_rknn.tokenizer import Tokenizer
 
 TOKENIZER = Path(__file__).parent / "fixtures" / "tokenizer" / "compact" / "tokenizer.json"
@@ -135,6 +136,33 @@ async def test_turn_two_evaluates_exactly_its_new_tokens(model, tok):
     first_row = next(r for r in rows if np.allclose(r, cold, rtol=1e-5, atol=1e-5))
     np.testing.assert_allclose(first_row, cold, rtol=1e-5, atol=1e-5)
     assert stats.cache_hits - stats_before.cache_hits == 1
+
+
+@pytest.mark.skipif(not native.available(), reason="the expanded form needs the kernels")
+async def test_turn_two_keeps_the_rows_projected_in_turn_one(model, tok, monkeypatch):
+    """Turn 2 resumes from the live state's own end-of-turn snapshot, which keeps the MLA
+    rows projected for the expanded prefill form: it projects the rows of what it evaluates,
+    never turn 1's prompt again."""
+    projected: list[int] = []
+    extend = ExpandedRows.extend
+    monkeypatch.setattr(ExpandedRows, "extend",
+                        lambda rows, latent: (projected.append(len(latent)), extend(rows, latent)))
+    with engine_for(SpyModel(model), tok) as engine:
+        history, _, gen_ids = await turn_one(engine, tok)
+        prompt1 = tok.encode_segments(render(history[:2], TOOLS, enable_thinking=False))
+        layers = len(model.config.mla_layers)
+        assert sum(projected) >= len(prompt1) * layers  # turn 1 ran the expanded form
+        projected.clear()
+        turn2 = render(with_tool_result(history), TOOLS, enable_thinking=False)
+        ids2 = engine.encode_prompt(turn2)
+        fin2, _ = await run(engine, turn2, 3)
+    cached = fin2.usage.cached_tokens
+    assert cached == len(prompt1) + len(gen_ids) + 1
+    assert projected and max(projected) < len(prompt1)
+    # the rows of the tokens turn 2 evaluated, no more: its new prompt tokens, and those of
+    # its answer when the end-of-turn feed runs the expanded form
+    assert sum(projected) >= (len(ids2) - cached) * layers
+    assert sum(projected) <= (len(ids2) - cached + fin2.usage.completion_tokens + 1) * layers
 
 
 async def test_first_token_logits_equal_cold_evaluation_when_fully_cached(model, tok):

@@ -171,45 +171,72 @@ def _pieces(n: int, sizes: list[int]) -> list[tuple[int, int]]:
 def test_model_prefill_in_pieces_matches_the_absorbed_form(oracle):
     model, ids = oracle
     assert model.cpu.mla_bases  # from_hf computes them
-    pieces = _pieces(len(ids), [5, 1, 7, 2, 3])  # decode tokens between chunks drop the rows
+    pieces = _pieces(len(ids), [5, 1, 7, 2, 3])  # decoded rows projected by the next chunk
     state = model.new_state()
     got = np.concatenate([model.forward(ids[a:b], state) for a, b in pieces])
     want = _absorbed(model, ids, pieces)
     assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-5
 
 
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
 @needs_kernel
-def test_decode_and_restore_drop_the_projected_rows(oracle):
+def test_decode_keeps_the_rows_and_a_restore_of_the_same_history_keeps_its_prefix(oracle):
     model, ids = oracle
+    first = model.config.mla_layers[0]
     state = model.new_state()
     model.forward(ids[:6], state)
-    assert state.prefill_scratch.rows and state.prefill_scratch.nbytes > 0
-    snap = state.snapshot()
-    model.forward(ids[6:7], state)  # a decode token
+    before = state.snapshot()
+    model.forward(ids[6:7], state)  # decode tokens: absorbed, the rows stay
+    model.forward(ids[7:8], state)
+    assert state.prefill_scratch.rows[first].length == 6
+    turn_end = state.snapshot()
+    model.forward(ids[8:12], state)  # the decoded tokens' rows are projected first
+    assert state.prefill_scratch.rows[first].length == 12
+    # the next turn resumes at the end of this one: rows 0..8 still hold, 8..12 must go
+    state.restore(turn_end)
+    assert state.prefill_scratch.rows[first].length == 8
+    other = ids[14:20][::-1]  # a different continuation: stale rows would show in the logits
+    cont = model.forward(other, state)
+    assert state.prefill_scratch.rows[first].length == 14
+    cold = model.forward(np.concatenate([ids[:8], other]), model.new_state())[8:]
+    assert _rel(cont, cold) < 1e-5
+    # that restore began a new history: a snapshot from before it is no prefix of it now
+    state.restore(before)
     assert not state.prefill_scratch.rows
-    model.forward(ids[7:10], state)  # projecting 7 rows costs more than this chunk absorbed
-    assert not state.prefill_scratch.rows and state.prefill_scratch.absorbed_macs > 0
-    model.forward(ids[10:14], state)  # ... but not more than both: the rows are bought
-    assert state.prefill_scratch.rows[model.config.mla_layers[0]].length == 14
-    state.restore(snap)
+    again = np.concatenate([model.forward(ids[6:10], state), model.forward(ids[10:14], state)])
+    assert _rel(again, model.forward(ids[:14], model.new_state())[6:]) < 1e-5
+
+
+@needs_kernel
+def test_a_snapshot_from_elsewhere_drops_the_rows(oracle):
+    model, ids = oracle
+    state, other = model.new_state(), model.new_state()
+    model.forward(ids[:8], state)
+    model.forward(ids[:8], other)  # the same tokens, another history
+    state.restore(other.snapshot())
     assert not state.prefill_scratch.rows
-    cont = np.concatenate([model.forward(ids[6:10], state), model.forward(ids[10:14], state)])
-    cold = model.forward(ids[:14], model.new_state())[6:]
-    assert float(np.abs(cont - cold).max() / np.abs(cold).max()) < 1e-5
+    model.forward(ids[:8], other)
+    stored = model.snapshot_from_arrays(other.snapshot().to_arrays())  # as the disk tier reads
+    other.restore(stored)
+    assert not other.prefill_scratch.rows
 
 
 @needs_kernel
 def test_dropping_a_large_scratch_gives_the_pages_back(oracle, monkeypatch):
-    from ling3_rknn.model import memory
-    from ling3_rknn.model import model as model_module
+    from ling3_rknn.model import memory, mla_expanded
 
     model, ids = oracle
     trims = []
-    monkeypatch.setattr(model_module, "return_freed_memory", lambda: trims.append(1) or True)
-    monkeypatch.setattr(model_module, "TRIM_AFTER_BYTES", 1)
+    monkeypatch.setattr(mla_expanded, "return_freed_memory", lambda: trims.append(1) or True)
+    monkeypatch.setattr(mla_expanded, "TRIM_AFTER_BYTES", 1)
     state = model.new_state()
     model.forward(ids[:8], state)
-    model.forward(ids[8:9], state)  # the decode token drops the rows, then trims once
-    model.forward(ids[9:10], state)  # nothing left to drop: no second trim
+    model.forward(ids[8:9], state)  # a decode token keeps the rows: nothing to give back
+    assert trims == []
+    state.restore(model.new_state().snapshot())  # another history: the rows go, one trim
+    state.restore(model.new_state().snapshot())  # nothing left to drop: no second trim
     assert trims == [1]
     assert isinstance(memory.return_freed_memory(), bool)  # glibc: True; elsewhere False

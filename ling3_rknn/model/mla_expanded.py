@@ -17,10 +17,11 @@ tolerance (tests/test_mla_expanded.py).
 
 The projected rows cost memory (per token and MLA layer H x (d_v + d_nope + d_r) values:
 5,120 against the latent row's 576 at full size), so they are a prefill scratch: built while
-a prompt is evaluated, dropped at the first decode token or when the state is restored, and
-only while they fit ``PREFILL_SCRATCH_BYTES``. Where a prefill continues a cached prefix the
-rows of that prefix must be projected first; ``PrefillScratch.choose`` weighs that against
-what the absorbed form costs (docs/performance.md, "Prefill budget").
+a prompt is evaluated, kept through decode and across a restore to a snapshot of the same
+history (an agent's next turn), dropped at any other restore, and only while they fit
+``PREFILL_SCRATCH_BYTES``. Where a prefill continues a prefix without rows (a cached prefix
+from elsewhere, decoded tokens) those rows must be projected first; ``PrefillScratch.choose``
+weighs that against what the absorbed form costs (docs/performance.md, "Prefill budget").
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from itertools import pairwise
 import numpy as np
 
 from . import native
+from .memory import return_freed_memory
 
 BLOCK_ROWS = 256
+# Dropping at least this much scratch gives the freed pages back (memory.py).
+TRIM_AFTER_BYTES = 64 << 20
 # The default cap on one sequence's projected rows (all MLA layers, float32): a 16K-token
 # prompt of the full-size model needs 2 GiB; longer prompts stay absorbed past it.
 PREFILL_SCRATCH_BYTES = 2 << 30
@@ -106,6 +110,13 @@ class ExpandedRows:
     def head_blocks(self, head: int) -> list[np.ndarray]:
         return [b[head] for b in self._blocks]
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` rows: the state went back to an earlier point of the
+        history these rows were projected from (``SequenceState.restore``)."""
+        if length < self.length:
+            del self._blocks[-(-length // BLOCK_ROWS):]
+            self.length = length
+
 
 @dataclass
 class PrefillScratch:
@@ -118,6 +129,19 @@ class PrefillScratch:
 
     def clear(self) -> None:
         self.rows.clear()
+        self.absorbed_macs = 0.0
+
+    def release(self) -> None:
+        """``clear``, handing the pages back to the system when they were many."""
+        held = self.nbytes
+        self.clear()
+        if held >= TRIM_AFTER_BYTES:
+            return_freed_memory()
+
+    def truncate(self, length: int) -> None:
+        """Keep the rows of the first ``length`` positions (see ``ExpandedRows.truncate``)."""
+        for rows in self.rows.values():
+            rows.truncate(length)
         self.absorbed_macs = 0.0
 
     @property
@@ -141,7 +165,7 @@ class PrefillScratch:
             covered = 0
         row_bytes = h * b.row_width(rope) * 4 * len(bases)  # float32 rows
         if (length + t) * row_bytes > limit:
-            self.clear()
+            self.release()
             return False
         projection = (length - covered) * h * (dn + dv) * r
         absorbed = t * h * (2 * r + rope) * (length + t / 2)

@@ -18,7 +18,6 @@ from .bundle_loader import ExecutorChoice, load_bundle_parts, runtime_for
 from .checkpoint import Checkpoint
 from .cpu_weights import CpuWeights
 from .kda import kda_core, kda_decode, prepare_qkv, short_conv
-from .memory import return_freed_memory
 from .mla import apply_rope, mla_attention, rope_angles
 from .mla_expanded import PREFILL_SCRATCH_BYTES, expanded_attention
 from .moe import ExpertBackend, NumpyExperts, route
@@ -33,8 +32,6 @@ from .state import (
 )
 from .weights import CheckpointWeights
 
-# Dropping a prefill scratch at least this large gives the freed pages back (memory.py).
-TRIM_AFTER_BYTES = 64 << 20
 # Set to 1: a decode token's KDA heads are shared out over the glue threads
 # (``Model.kda_decode_split``; slower on the host, to be measured on the board:
 # docs/performance.md, "KDA step").
@@ -200,14 +197,11 @@ class Model:
         return self.stages.kda_output(i, x, core, inp.out_gate)
 
     def _expanded_prefill(self, state: SequenceState, t: int) -> bool:
-        """Whether this call's MLA attention takes the expanded form (mla_expanded.py). A
-        decode token drops the projected rows: they are prefill scratch."""
+        """Whether this call's MLA attention takes the expanded form (mla_expanded.py).
+        Decode tokens stay absorbed and keep the projected rows: an agent's next turn
+        continues this history (``SequenceState.restore``) and projects only the rows
+        added since, inside the ``prefill_scratch_bytes`` the memory plan set aside."""
         if t == 1:
-            if state.prefill_scratch.rows:
-                held = state.prefill_scratch.nbytes
-                state.prefill_scratch.clear()
-                if held >= TRIM_AFTER_BYTES:
-                    return_freed_memory()
             return False
         return state.prefill_scratch.choose(
             self.cpu.mla_bases, self.config.qk_rope_head_dim, state.length, t,

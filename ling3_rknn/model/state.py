@@ -154,9 +154,13 @@ class StateSnapshot:
         conv: Mapping[int, np.ndarray],
         recurrent: Mapping[int, np.ndarray],
         latents: Mapping[int, RowBlocks],
+        lineage: object | None = None,
     ) -> None:
         self.layout = layout
         self.length = length
+        # The history it was taken from (``SequenceState.restore``); None when read from a
+        # store, whose snapshots belong to no live state.
+        self._lineage = lineage
         self._conv = dict(conv)
         self._recurrent = dict(recurrent)
         self._latents = dict(latents)
@@ -281,6 +285,10 @@ class SequenceState:
         # MLA rows projected for the expanded prefill form: transient, never in a snapshot
         self.prefill_scratch = PrefillScratch()
         self.broken = False
+        # Renewed at every restore: between two restores the history only grows, so a
+        # snapshot of the current lineage is a prefix of it and the rows projected so far
+        # hold for its positions.
+        self._lineage = object()
 
     def snapshot(self) -> StateSnapshot:
         self.check_usable()
@@ -290,14 +298,21 @@ class SequenceState:
             {i: a.copy() for i, a in self.conv.items()},
             {i: r.value() for i, r in self.recurrent.items()},
             {i: c.snapshot() for i, c in self.latents.items()},
+            lineage=self._lineage,
         )
 
     def restore(self, snapshot: StateSnapshot) -> None:
-        """Continue exactly where ``snapshot`` was taken; the snapshot stays untouched."""
+        """Continue exactly where ``snapshot`` was taken; the snapshot stays untouched.
+
+        A snapshot taken from this state since its last restore (an agent's previous turn)
+        keeps the prefill scratch's rows up to its length, so the next prefill does not
+        project the prefix again; any other snapshot drops them."""
         if not isinstance(snapshot, StateSnapshot):
             raise TypeError(f"expected a StateSnapshot, got {type(snapshot).__name__}")
         if snapshot.layout != self.layout:
             raise SnapshotError("snapshot was taken from a model with a different layout")
+        own = (snapshot._lineage is not None and snapshot._lineage is self._lineage
+               and not self.broken and snapshot.length <= self.length)
         for i in self.layout.kda_layers:
             self.conv[i] = np.array(snapshot._conv[i])
             self.recurrent[i].set(snapshot._recurrent[i])
@@ -306,7 +321,11 @@ class SequenceState:
             self.latents[i] = LatentCache(self.layout.latent_width, s.frozen, s.partial,
                                           dtype=self.layout.latent_dtype)
         self.length = snapshot.length
-        self.prefill_scratch.clear()
+        if own:
+            self.prefill_scratch.truncate(snapshot.length)
+        else:
+            self.prefill_scratch.release()
+        self._lineage = object()
         self.broken = False
 
     def check_usable(self) -> None:
