@@ -121,8 +121,8 @@ class ExpandedRows:
 @dataclass
 class PrefillScratch:
     """A sequence's transient prefill state: the projected rows per MLA layer and the
-    absorbed-form work spent since the last decode token or restore (the rent paid before
-    buying the rows, as in ski rental: never more than twice the better choice)."""
+    absorbed-form work spent since the last restore (the rent paid before buying the rows,
+    as in ski rental: never more than twice the better choice)."""
 
     rows: dict[int, ExpandedRows] = field(default_factory=dict)
     absorbed_macs: float = 0.0
