@@ -1,11 +1,12 @@
 """How much of the machine's memory the serving process may take beyond the model itself.
 
 Two consumers have sizes an operator can set and that a board cannot always afford at their
-defaults: the prefix cache's memory tier (``--cache-bytes``, default 2 GiB) and a prompt's
-expanded-MLA prefill scratch (``--prefill-scratch``, default 2 GiB). Ling-3.0-tiny's bundle
-is ~5.7 GB, so on an 8 GB CM3588 the two defaults alone would push the process into swap
-or the OOM killer. What the operator did not set is sized here, at load, from what the machine
-has left (docs/performance.md, "Where the memory goes"):
+defaults: the prefix cache's memory tier (``--cache-bytes``, default 2 GiB) and the live
+sequence's expanded-MLA prefill scratch (``--prefill-scratch``, default 2 GiB; held while
+the conversation goes on). Ling-3.0-tiny's bundle is ~5.7 GB, so on an 8 GB CM3588 the two
+defaults alone would push the process into swap or the OOM killer. What the operator did not
+set is sized here, at load, from what the machine has left (docs/performance.md, "Where the
+memory goes"):
 
     spare = min(MemAvailable, MemTotal - model bytes) - one sequence at the context limit
             - RUNTIME_RESERVE

@@ -4,7 +4,8 @@ The absorbed numpy attention is the reference (itself pinned to transformers by 
 tests, which run the expanded form too: ``Model.from_hf`` carries the bases). Here: the two
 forms give the same attention output once W_vb is applied (the context may differ by a part
 W_vb cannot see), the ski-rental choice between them, and the scratch's life cycle (kept
-through a prefill, dropped at decode and restore, capped in bytes).
+through decode and across a restore to a snapshot of the same history, dropped at any other
+restore, capped in bytes).
 """
 
 from __future__ import annotations
@@ -95,6 +96,30 @@ def test_rows_are_projected_per_head_in_blocks():
         np.testing.assert_array_equal(got[:, 16:], latent[:, 32:])
 
 
+@pytest.mark.parametrize("keep", [0, 1, 255, 256, 257, 299])
+def test_truncated_rows_extend_as_if_never_longer(keep):
+    """A restore to an earlier point of the same history cuts the rows, at any offset in a
+    block; the rows extended after it are those a fresh projection gives."""
+    rng = np.random.default_rng(keep)
+    w_kb, w_vb = _layer(rng, 3, 32, 8, 8)
+    b = mla_bases(w_kb, w_vb)
+    latent = rng.standard_normal((400, 32 + 4)).astype(np.float32)
+    other = rng.standard_normal((300, 32 + 4)).astype(np.float32)
+    rows = ExpandedRows(b, 4)
+    rows.extend(other[:200])
+    rows.extend(other[200:])
+    rows.truncate(keep)
+    assert rows.length == keep and len(rows.head_blocks(0)) == -(-keep // 256)
+    rows.extend(np.concatenate([other[:keep], latent])[keep:keep + 400])
+    fresh = ExpandedRows(b, 4)
+    fresh.extend(np.concatenate([other[:keep], latent])[:keep + 400])
+    assert rows.length == fresh.length == keep + 400
+    for head in range(3):
+        got = np.concatenate(rows.head_blocks(head))[:rows.length]
+        want = np.concatenate(fresh.head_blocks(head))[:fresh.length]
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 class _Bases:
     """One layer's bases at Ling-3.0-tiny's size, shapes only (choose() reads shapes)."""
 
@@ -120,8 +145,28 @@ def test_a_continued_prefix_is_absorbed_until_the_projection_pays():
     that, so the second chunk buys (a 64-token turn never does)."""
     scratch = PrefillScratch()
     bases = {3: _Bases()}
-    picks = [scratch.choose(bases, 64, 16384 + 64 * k, 64, 2 << 30) for k in range(4)]
+    picks = []
+    for k in range(4):
+        length = 16384 + 64 * k
+        picks.append(scratch.choose(bases, 64, length, 64, 2 << 30))
+        if picks[-1]:  # the model projects what was bought (ExpandedRows.extend)
+            scratch.rows[3].length = length + 64
     assert picks == [False, True, True, True]
+
+
+@needs_kernel
+def test_the_rent_outlasts_a_restore_of_the_same_history():
+    """One-chunk turns after a prefix without rows: each turn's absorbed chunk adds to the
+    rent, and a restore to the conversation's own snapshot keeps it, so the second turn
+    buys the rows instead of every turn staying absorbed."""
+    scratch = PrefillScratch()
+    bases = {3: _Bases()}
+    assert not scratch.choose(bases, 64, 16384, 64, 2 << 30)
+    scratch.truncate(16384 + 64 + 8)  # the next turn resumes at the end of this one
+    assert scratch.choose(bases, 64, 16384 + 72, 64, 2 << 30)
+    assert scratch.absorbed_macs == 0  # spent on these rows
+    scratch.release()
+    assert not scratch.choose(bases, 64, 16384, 64, 2 << 30)  # dropped: a new rent
 
 
 def test_one_token_never_takes_the_expanded_form():
@@ -208,6 +253,26 @@ def test_decode_keeps_the_rows_and_a_restore_of_the_same_history_keeps_its_prefi
     assert not state.prefill_scratch.rows
     again = np.concatenate([model.forward(ids[6:10], state), model.forward(ids[10:14], state)])
     assert _rel(again, model.forward(ids[:14], model.new_state())[6:]) < 1e-5
+
+
+@needs_kernel
+def test_kept_rows_over_a_float16_latent_cache(oracle):
+    """The rows are projected from the cache as it stores them (float16-rounded), so kept
+    rows and a cold evaluation over the same float16 cache agree."""
+    _, ids = oracle
+    model = Model.from_hf(ORACLE_DIR / ORACLE_FIXTURES[0], latent_dtype="float16")
+    first = model.config.mla_layers[0]
+    state = model.new_state()
+    model.forward(ids[:9], state)
+    model.forward(ids[9:10], state)  # a decode token
+    turn_end = state.snapshot()
+    model.forward(ids[10:16], state)
+    state.restore(turn_end)
+    assert state.prefill_scratch.rows[first].length == 10
+    other = ids[14:20][::-1]
+    cont = model.forward(other, state)
+    cold = model.forward(np.concatenate([ids[:10], other]), model.new_state())[10:]
+    assert _rel(cont, cold) < 1e-5
 
 
 @needs_kernel

@@ -121,8 +121,8 @@ class ExpandedRows:
 @dataclass
 class PrefillScratch:
     """A sequence's transient prefill state: the projected rows per MLA layer and the
-    absorbed-form work spent since the last restore (the rent paid before buying the rows,
-    as in ski rental: never more than twice the better choice)."""
+    absorbed-form work spent since the rows were last bought or dropped (the rent paid before
+    buying them, as in ski rental: never more than twice the better choice)."""
 
     rows: dict[int, ExpandedRows] = field(default_factory=dict)
     absorbed_macs: float = 0.0
@@ -139,10 +139,14 @@ class PrefillScratch:
             return_freed_memory()
 
     def truncate(self, length: int) -> None:
-        """Keep the rows of the first ``length`` positions (see ``ExpandedRows.truncate``)."""
+        """Keep the rows of the first ``length`` positions (see ``ExpandedRows.truncate``).
+        The rent stays: the history goes on, and so does what it paid for the absorbed form
+        while it had no rows."""
+        held = self.nbytes
         for rows in self.rows.values():
             rows.truncate(length)
-        self.absorbed_macs = 0.0
+        if held - self.nbytes >= TRIM_AFTER_BYTES:
+            return_freed_memory()
 
     @property
     def nbytes(self) -> int:
@@ -152,7 +156,8 @@ class PrefillScratch:
                limit: int) -> bool:
         """Whether this prefill call (``t`` tokens after ``length`` cached rows) runs the
         expanded form: when projecting the rows not yet projected costs no more than what
-        the absorbed form has cost since the scratch started, plus this call, and the rows
+        the absorbed form has cost since they were last bought or dropped, plus this call,
+        and the rows
         fit ``limit`` bytes. Counted per layer (every MLA layer has the same shapes)."""
         if not bases or t < 2 or not native.available():
             return False
@@ -160,7 +165,8 @@ class PrefillScratch:
         h, r, dn = b.key.shape
         dv = b.value.shape[2]
         covered = min((rows.length for rows in self.rows.values()), default=0)
-        if len(self.rows) != len(bases) or covered > length:
+        if (len(self.rows) != len(bases) or covered > length
+                or any(self.rows[i].bases is not bases.get(i) for i in self.rows)):
             self.rows.clear()
             covered = 0
         row_bytes = h * b.row_width(rope) * 4 * len(bases)  # float32 rows
@@ -174,6 +180,7 @@ class PrefillScratch:
             return False
         for i, layer_bases in bases.items():
             self.rows.setdefault(i, ExpandedRows(layer_bases, rope))
+        self.absorbed_macs = 0.0  # the rent bought these rows; later rows start a new one
         return True
 
 

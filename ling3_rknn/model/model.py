@@ -226,7 +226,7 @@ class Model:
             ctx = expanded_attention(inp.q_latent, q_rope, rows, cache.length, self._scale,
                                      pool=self._split_pool(), parts=self.threads)
             if ctx is None:  # the kernel refused: this chunk absorbed, the rows now stale
-                state.prefill_scratch.clear()
+                state.prefill_scratch.release()
         if ctx is None:
             ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length,
                                 self._scale, pool=self._split_pool(), parts=self.threads)

@@ -313,6 +313,7 @@ class SequenceState:
             raise SnapshotError("snapshot was taken from a model with a different layout")
         own = (snapshot._lineage is not None and snapshot._lineage is self._lineage
                and not self.broken and snapshot.length <= self.length)
+        self.broken = True  # until every part is restored
         for i in self.layout.kda_layers:
             self.conv[i] = np.array(snapshot._conv[i])
             self.recurrent[i].set(snapshot._recurrent[i])

@@ -47,6 +47,10 @@ def _feed(model: Model, state: SequenceState, ids: np.ndarray, piece: int) -> tu
     return time.perf_counter() - t0, logits
 
 
+def _rows(state: SequenceState) -> int:
+    return min((r.length for r in state.prefill_scratch.rows.values()), default=0)
+
+
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
@@ -85,11 +89,15 @@ def main() -> int:
         # the turn continued without a restore: what the kept rows must reproduce
         _, continued_logits = _feed(model, state, new, piece)
         state.restore(turn_end)  # the live state's own end of turn: rows kept up to it
-        kept_rows = min((r.length for r in state.prefill_scratch.rows.values()), default=0)
+        kept_rows = _rows(state)
         kept, kept_logits = _feed(model, state, new, piece)
+        # rows for every position: the kept turn ran the expanded form (not so without
+        # the kernels, or past --prefill-scratch: then kept and dropped are both absorbed)
+        expanded = _rows(state) == state.length
         state.restore(turn_end)  # an earlier history now: rows dropped
         dropped, dropped_logits = _feed(model, state, new, piece)
-        row = {"first_turn_s": first, "rows_kept": kept_rows, "next_turn_kept_s": kept,
+        row = {"first_turn_s": first, "rows_kept": kept_rows, "expanded": expanded,
+               "next_turn_kept_s": kept,
                "next_turn_dropped_s": dropped,
                "kept_vs_continued": _rel(kept_logits, continued_logits),
                "kept_vs_dropped": _rel(kept_logits, dropped_logits)}
@@ -98,7 +106,9 @@ def main() -> int:
               f"of {args.turn} tokens: rows kept ({kept_rows}) {kept:.3f} s, dropped "
               f"{dropped:.3f} s ({dropped / kept:.2f}x); logits rel diff kept vs never "
               f"restored {row['kept_vs_continued']:.1e}, vs dropped "
-              f"{row['kept_vs_dropped']:.1e}")
+              f"{row['kept_vs_dropped']:.1e}"
+              + ("" if expanded else "; WARNING: the turn ran absorbed (no kernels, or past "
+                                     "--prefill-scratch): the rows did not matter"))
     result["load_end"] = os.getloadavg()
     best_kept = min(r["next_turn_kept_s"] for r in result["rounds"])
     best_dropped = min(r["next_turn_dropped_s"] for r in result["rounds"])
