@@ -157,8 +157,8 @@ class PrefillScratch:
         """Whether this prefill call (``t`` tokens after ``length`` cached rows) runs the
         expanded form: when projecting the rows not yet projected costs no more than what
         the absorbed form has cost since they were last bought or dropped, plus this call,
-        and the rows
-        fit ``limit`` bytes. Counted per layer (every MLA layer has the same shapes)."""
+        and the rows fit ``limit`` bytes. Counted per layer (every MLA layer has the same
+        shapes)."""
         if not bases or t < 2 or not native.available():
             return False
         b = next(iter(bases.values()))
