@@ -258,7 +258,8 @@ def test_decode_keeps_the_rows_and_a_restore_of_the_same_history_keeps_its_prefi
 @needs_kernel
 def test_kept_rows_over_a_float16_latent_cache(oracle):
     """The rows are projected from the cache as it stores them (float16-rounded), so kept
-    rows and a cold evaluation over the same float16 cache agree."""
+    rows give what the same pieces give never restored. (Against one cold call the cached
+    values may round the other way in float16: float32 noise of another piece split.)"""
     _, ids = oracle
     model = Model.from_hf(ORACLE_DIR / ORACLE_FIXTURES[0], latent_dtype="float16")
     first = model.config.mla_layers[0]
@@ -271,8 +272,10 @@ def test_kept_rows_over_a_float16_latent_cache(oracle):
     assert state.prefill_scratch.rows[first].length == 10
     other = ids[14:20][::-1]
     cont = model.forward(other, state)
-    cold = model.forward(np.concatenate([ids[:10], other]), model.new_state())[10:]
-    assert _rel(cont, cold) < 1e-5
+    never = model.new_state()
+    for piece in (ids[:9], ids[9:10], other):
+        want = model.forward(piece, never)
+    assert _rel(cont, want) < 1e-5
 
 
 @needs_kernel
