@@ -27,7 +27,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -51,6 +51,14 @@ class TooManyTokens(TokenizerError):
         super().__init__(f"the text has at least {at_least} tokens")
         self.at_least = at_least
 
+
+class EncodingStopped(Exception):
+    """The caller's ``stop`` check said to give up (its client left): the encoding ended
+    between two pieces instead of running on for nobody. Not a TokenizerError: nothing
+    was wrong with the text."""
+
+
+Stop = Callable[[], bool]
 
 # Long text runs are encoded in pieces of this many characters when the caller has a token
 # limit: a prompt far over the context stops after about one piece past the limit instead
@@ -298,11 +306,12 @@ class Tokenizer:
         if self._cache is not None:
             self._cache.clear()
 
-    def _encode_run(self, text: str, budget: int | None = None) -> list[int] | array:
+    def _encode_run(self, text: str, budget: int | None = None,
+                    stop: Stop | None = None) -> list[int] | array:
         """One run of ordinary text; with ``budget`` (tokens still allowed) a run that
         cannot fit raises TooManyTokens, found on a cheap bound or after a few pieces."""
         if budget is not None and len(text) > PIECE_CHARS:
-            self._check_fits(text, budget)
+            self._check_fits(text, budget, stop)
         cache = self._cache
         if cache is None or not text:
             return self.encode_text(text)
@@ -313,7 +322,7 @@ class Tokenizer:
         cache.put(text, ids)
         return ids
 
-    def _check_fits(self, text: str, budget: int) -> None:
+    def _check_fits(self, text: str, budget: int, stop: Stop | None = None) -> None:
         """Raise TooManyTokens when ``text`` cannot encode to ``budget`` tokens or fewer:
         first on its length alone, then counting piece by piece with an early exit."""
         floor = -(-len(text) // self._max_token_bytes)
@@ -321,6 +330,8 @@ class Tokenizer:
             raise TooManyTokens(floor)
         counted = cuts = pos = 0
         while pos < len(text):
+            if stop is not None and stop():
+                raise EncodingStopped
             end = min(pos + PIECE_CHARS, len(text))
             if end < len(text):
                 space = text.rfind(" ", pos + PIECE_CHARS // 2, end)
@@ -333,17 +344,22 @@ class Tokenizer:
             pos = end
 
     def encode_segments(
-        self, segments: Iterable[SegmentLike], max_tokens: int | None = None
+        self, segments: Iterable[SegmentLike], max_tokens: int | None = None,
+        stop: Stop | None = None,
     ) -> list[int]:
         """Typed segments -> ids; only CONTROL text may yield special tokens. With
         ``max_tokens``, a prompt that cannot fit raises TooManyTokens without being encoded
-        whole (a 400 for the client at the cost of about ``max_tokens`` tokens of work)."""
+        whole (a 400 for the client at the cost of about ``max_tokens`` tokens of work).
+        ``stop`` is asked before each run and each piece of a long one; when it says so,
+        EncodingStopped is raised (a server thread whose client left stops there)."""
         ids: list[int] = []
         pending: list[str] = []  # ordinary text since the last special token
 
         def flush() -> None:
+            if stop is not None and stop():
+                raise EncodingStopped
             budget = None if max_tokens is None else max_tokens - len(ids)
-            ids.extend(self._encode_run("".join(pending), budget))
+            ids.extend(self._encode_run("".join(pending), budget, stop))
             pending.clear()
             if max_tokens is not None and len(ids) > max_tokens:
                 raise TooManyTokens(len(ids))

@@ -73,6 +73,7 @@ class ScriptedEngine:
         self.completed = 0
         self.cancelled = 0
         self.closed = 0
+        self.counted = 0  # count_prompt calls
         self.max_waiting = 8
         self._waiting = 0
         self._lock: asyncio.Lock | None = None
@@ -97,6 +98,14 @@ class ScriptedEngine:
     def encode_prompt(self, segments: Sequence[SegmentLike]) -> list[int]:
         """The stand-in tokenizer's ids (one per 4 characters), as ``generate`` counts."""
         return list(range(count_tokens("".join(s.text for s in segments))))
+
+    async def count_prompt(self, segments: Sequence[SegmentLike]) -> int:
+        """``encode_prompt``'s count under ``generate``'s context bound."""
+        self.counted += 1
+        tokens = count_tokens("".join(s.text for s in segments))
+        if tokens >= self.max_context:
+            raise ContextLengthExceeded(tokens, self.max_context)
+        return tokens
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -126,6 +126,74 @@ async def test_a_long_prompt_under_the_cheap_bound_stops_encoding_early(demo_eng
         assert "at least" in answer["error"]["message"]
 
 
+# ---- 1b: counting tokens is bounded like generating -----------------------------------------
+
+COUNT_PATH = "/messages/count_tokens"
+TOO_LONG = re.compile(r"prompt is too long: \d+ tokens > 4096 maximum")
+
+
+async def test_count_tokens_refuses_an_oversize_prompt_like_generation(demo_engine):
+    """count_tokens on 6 MB of prompt: the generation routes' 400 (in the Messages shape,
+    the wording Claude Code compacts on), before encoding, while /health keeps answering
+    and memory stays bounded. Before, it encoded the whole prompt: 200 with 12 M tokens
+    after 14 s, RSS +3 GB that stayed."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "abcd " * 1_200_000}]}
+    before = rss_mb()
+    async with (running_server(demo_engine) as srv, health_watch(srv.base) as watch,
+                aiohttp.ClientSession() as session):
+        results = await asyncio.gather(*(post(session, srv.v1 + COUNT_PATH, body)
+                                         for _ in range(2)))
+    for status, answer in results:
+        assert status == 400, answer
+        assert answer["type"] == "error"
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert TOO_LONG.fullmatch(answer["error"]["message"]), answer
+    assert watch.worst < HEALTH_BOUND_S, f"/health took {watch.worst:.1f} s during the attack"
+    grown = rss_mb() - before
+    assert grown < 300, f"RSS grew by {grown:.0f} MB"
+
+
+async def test_count_tokens_under_the_cheap_bound_stops_early_and_counts_what_fits(
+        demo_engine):
+    """Under the length bound but over the context: refused by the piecewise count (as the
+    generation routes are); a prompt that fits is counted exactly as generation admits it."""
+    longest = demo_engine._tokenizer.max_token_bytes
+    text = ("abcd " * (4096 * longest // 5))[: 4096 * longest - 200]
+    async with running_server(demo_engine) as srv, aiohttp.ClientSession() as session:
+        status, answer = await post(session, srv.v1 + COUNT_PATH, {
+            "model": MODEL, "messages": [{"role": "user", "content": text}]})
+        assert status == 400 and TOO_LONG.fullmatch(answer["error"]["message"]), answer
+        fits = {"model": MODEL, "messages": [{"role": "user", "content": "abcd " * 300}]}
+        status, counted = await post(session, srv.v1 + COUNT_PATH, fits)
+        assert status == 200, counted
+        status, done = await post(session, srv.v1 + "/messages", {**fits, "max_tokens": 1})
+        assert status == 200, done
+        usage = done["usage"]
+        assert counted["input_tokens"] == (usage["input_tokens"]
+                                           + usage["cache_read_input_tokens"])
+
+
+async def test_count_tokens_refuses_a_flood_of_image_blocks_before_they_become_tokens(
+        demo_engine):
+    """100k image blocks in one tool_result (3.3 MB of JSON, 2.3 M tokens of notes before):
+    a 400 naming the field, before any block is read."""
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": ""}}] * 100_000
+    body = {"model": MODEL, "messages": [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": blocks}]}]}
+    async with running_server(demo_engine) as srv, aiohttp.ClientSession() as session:
+        for path in (COUNT_PATH, "/messages"):
+            status, answer = await post(session, srv.v1 + path, {**body, "max_tokens": 1}
+                                        if path == "/messages" else body)
+            assert status == 400, answer
+            assert answer["error"]["message"].startswith("messages[2].content[0].content:"), \
+                answer
+
+
 # ---- 2: an exponential regex ----------------------------------------------------------------
 
 

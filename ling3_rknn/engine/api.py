@@ -195,6 +195,14 @@ class EngineProtocol(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...
 
     def encode_prompt(self, segments: Sequence[SegmentLike]) -> list[int]:
-        """The ids ``generate`` would evaluate or restore for ``segments`` (blocking: call
-        it off the event loop). Serves token counting (``/v1/messages/count_tokens``)."""
+        """The ids ``generate`` would evaluate or restore for ``segments``, unbounded and
+        blocking (diagnostics and benches; never on a client's text in the server)."""
+        ...
+
+    async def count_prompt(self, segments: Sequence[SegmentLike]) -> int:
+        """How many tokens ``generate`` would evaluate or restore for ``segments``, with its
+        bounds: ContextLengthExceeded when they cannot fit (before encoding when the length
+        alone says so), InvalidRequest when the text cannot be encoded; the encoding runs
+        off the event loop and stops when the awaiting task is cancelled. Serves token
+        counting (``/v1/messages/count_tokens``)."""
         ...

@@ -38,7 +38,7 @@ from .call_guard import BanRows, LazyCalls, MarkerBan
 from .grammar_constraint import GrammarCompiler, TokenConstraint
 from .options import EngineOptions
 from .prefix_cache import PrefixCache
-from .prompt_encoder import PromptEncoder
+from .prompt_encoder import EncodedPrompt, PromptEncoder
 from .protocols import ModelLike, TokenizerLike
 from .runner import Counters, Job, Runner, RunnerOptions
 from .sampler import resolve_settings
@@ -163,18 +163,9 @@ class Engine:
             self._waiting += 1
         admitted = True
         try:
-            try:
-                prompt = await asyncio.to_thread(
-                    self._encoder.encode, list(request.prompt), self.max_context - 1)
-            except TooManyTokens as exc:  # stopped early: the prompt cannot fit
-                raise ContextLengthExceeded(exc.at_least, self.max_context,
-                                            at_least=True) from None
-            except (ValueError, TypeError, AttributeError) as exc:  # e.g. TokenizerError
-                raise InvalidRequest(f"the prompt cannot be encoded: {exc}") from exc
+            prompt = await self._encode_bounded(request.prompt)
             if not prompt.ids:
                 raise InvalidRequest("the prompt is empty")
-            if len(prompt.ids) >= self.max_context:
-                raise ContextLengthExceeded(len(prompt.ids), self.max_context)
             # The answer's token budget: what the client asked (or the default cap),
             # never more than the room the prompt leaves.
             room = self.max_context - len(prompt.ids)
@@ -221,6 +212,34 @@ class Engine:
                     return
         finally:
             job.cancel.set()  # no-op once finished; stops the worker within one token
+
+    async def count_prompt(self, segments: Sequence[SegmentLike]) -> int:
+        """The tokens ``generate`` would evaluate or restore for ``segments``, under the
+        same bounds as its admission (so a count costs what a refusal does)."""
+        self._refuse_on_length(segments)
+        return len((await self._encode_bounded(segments)).ids)
+
+    async def _encode_bounded(self, segments: Sequence[SegmentLike]) -> EncodedPrompt:
+        """The one way client text becomes ids: in a worker thread (encoding a long prompt
+        must not stall the event loop), stopping early once the prompt cannot fit the
+        context (ContextLengthExceeded), and stopping between pieces once the awaiting
+        task is cancelled (its client left), so no thread encodes for nobody. Call
+        ``_refuse_on_length`` first: that bound needs no encoding at all."""
+        stopped = threading.Event()
+        try:
+            prompt = await asyncio.to_thread(
+                self._encoder.encode, list(segments), self.max_context - 1, stopped.is_set)
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+        except TooManyTokens as exc:  # stopped early: the prompt cannot fit
+            raise ContextLengthExceeded(exc.at_least, self.max_context,
+                                        at_least=True) from None
+        except (ValueError, TypeError, AttributeError) as exc:  # e.g. TokenizerError
+            raise InvalidRequest(f"the prompt cannot be encoded: {exc}") from exc
+        if len(prompt.ids) >= self.max_context:
+            raise ContextLengthExceeded(len(prompt.ids), self.max_context)
+        return prompt
 
     def _refuse_on_length(self, prompt: Sequence[SegmentLike]) -> None:
         """A prompt whose length alone proves it cannot fit is refused before any encoding

@@ -23,19 +23,23 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from .api import SegmentLike
 
+Stop = Callable[[], bool]
+
 
 class SegmentEncoder(Protocol):
     def encode_segments(
-        self, segments: Sequence[SegmentLike], max_tokens: int | None = None
+        self, segments: Sequence[SegmentLike], max_tokens: int | None = None,
+        stop: Stop | None = None,
     ) -> list[int]:
         """With ``max_tokens``: raises (``tokenizer.TooManyTokens``) as soon as the prompt
-        is known not to fit, without encoding the rest."""
+        is known not to fit, without encoding the rest; with ``stop``: raises
+        (``tokenizer.EncodingStopped``) between pieces once it returns True."""
         ...
 
 
@@ -110,23 +114,27 @@ class PromptEncoder:
         self._lock = threading.Lock()
 
     def encode(
-        self, segments: Sequence[SegmentLike], max_tokens: int | None = None
+        self, segments: Sequence[SegmentLike], max_tokens: int | None = None,
+        stop: Stop | None = None,
     ) -> EncodedPrompt:
         """The prompt's ids; with ``max_tokens`` the tokenizer stops early (and raises)
-        once the prompt is known to be longer."""
+        once the prompt is known to be longer; ``stop`` ends it between pieces."""
         typed = TypedText.of(segments)
         match = self._best_match(typed)
         if match is None:
-            return EncodedPrompt(self._encode(list(segments), max_tokens), typed, 0)
+            return EncodedPrompt(self._encode(list(segments), max_tokens, stop), typed, 0)
         rest = _segments_after(segments, len(match.text))
         budget = None if max_tokens is None else max_tokens - len(match.ids)
-        ids = list(match.ids) + self._encode(rest, budget)
+        ids = list(match.ids) + self._encode(rest, budget, stop)
         return EncodedPrompt(ids, typed, len(match.ids))
 
-    def _encode(self, segments: Sequence[SegmentLike], max_tokens: int | None) -> list[int]:
-        if max_tokens is None:
+    def _encode(self, segments: Sequence[SegmentLike], max_tokens: int | None,
+                stop: Stop | None) -> list[int]:
+        if max_tokens is None and stop is None:
             return self._tokenizer.encode_segments(segments)
-        return self._tokenizer.encode_segments(segments, max_tokens=max_tokens)
+        if stop is None:
+            return self._tokenizer.encode_segments(segments, max_tokens=max_tokens)
+        return self._tokenizer.encode_segments(segments, max_tokens=max_tokens, stop=stop)
 
     def remember(
         self, prompt: EncodedPrompt, generated_text: str, generated_ids: Sequence[int], eos_id: int

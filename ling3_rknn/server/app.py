@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler as _default_expect
 
 from ling3_rknn.engine.api import EngineProtocol
 from ling3_rknn.server import anthropic_api, errors
@@ -33,6 +34,7 @@ from ling3_rknn.server.responses import models_body
 from ling3_rknn.server.responses_api import responses_route
 from ling3_rknn.server.state import (
     CONFIG,
+    COUNTING,
     ENGINE,
     METRICS,
     RID,
@@ -41,6 +43,7 @@ from ling3_rknn.server.state import (
     AppConfig,
     EngineHolder,
 )
+from ling3_rknn.server.worker_share import WorkerShare, counting_share
 
 log = logging.getLogger("ling3_rknn.server")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -93,12 +96,35 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
     return errors.from_http_exception(exc)
 
 
-async def _read_body(request: web.Request, timeout_s: float) -> None:
+# A client's answer that never went out because the client went away first (nginx's
+# convention): logged and counted, never an error of ours.
+CLIENT_GONE = 499
+
+
+def _too_large(max_body_bytes: int) -> ApiError:
+    return ApiError(413, f"Request body too large: the limit is {max_body_bytes} bytes "
+                         "(--max-body-bytes).", code="request_too_large")
+
+
+async def _expect(request: web.Request) -> None:
+    """``Expect: 100-continue``: a body declared over the limit gets no ``100 Continue``
+    (the envelope answers 413 before it is sent); any other gets aiohttp's answer."""
+    declared = request.content_length
+    if declared is not None and declared > request.app[CONFIG].max_body_bytes:
+        return
+    await _default_expect(request)
+
+
+async def _read_body(request: web.Request, timeout_s: float, max_body_bytes: int) -> None:
     """Read the body (aiohttp keeps it for the handler's ``read()``) within ``timeout_s``:
     a client that sends headers and then trickles or withholds its body must not hold a
-    connection and a handler forever. The body limit (413) applies as it reads."""
+    connection and a handler forever. A declared length over the limit is a 413 before
+    any of it is read; an undeclared (chunked) one is cut at the limit as it is read."""
     if not request.body_exists:
         return
+    declared = request.content_length
+    if declared is not None and declared > max_body_bytes:
+        raise _too_large(max_body_bytes)
     try:
         await asyncio.wait_for(request.read(), timeout_s)
     except TimeoutError:
@@ -120,6 +146,7 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
     started = time.monotonic()
     metrics = request.app[METRICS]
     response: web.StreamResponse | None = None
+    gone = False
     try:
         config = request.app[CONFIG]
         # /health says only whether the model is up: open like it is to the key (HAProxy's
@@ -128,13 +155,17 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
             check_host_and_origin(request.headers.get("Host"), request.headers.get("Origin"),
                                   config.allowed_hosts, config.allowed_origins)
         _check_auth(request, config.api_key)
-        await _read_body(request, config.body_timeout_s)
+        await _read_body(request, config.body_timeout_s, config.max_body_bytes)
         response = await handler(request)
     except ApiError as exc:
         response = _error_response(request, exc, request_id)
         metrics.errors.labels(errors.error_kind(exc)).inc()
-        if exc.status == 408:  # the rest of the body is not worth waiting for
+        if exc.status in (408, 413):  # the rest of the body is not worth waiting for
             response.force_close()
+    except ConnectionError:
+        # The client closed its connection part way (through its body, or before its
+        # answer could go out): nothing to answer and nothing wrong here.
+        gone = True
     except web.HTTPException as exc:
         error = _http_error(request, exc)
         metrics.errors.labels(errors.error_kind(error)).inc()
@@ -147,11 +178,16 @@ async def _envelope(request: web.Request, handler: Callable) -> web.StreamRespon
         if not response.prepared:
             response.headers["X-Request-Id"] = request_id
     finally:
-        # 499: the client went away and the handler was cancelled before any response.
-        status = response.status if response is not None else 499
+        # 499: the client went away (its handler was cancelled, or its connection failed
+        # under a read) before any response.
+        status = response.status if response is not None else CLIENT_GONE
+        if response is None and not request.app[STATE].get("stopping"):
+            metrics.disconnects.inc()
         elapsed_ms = (time.monotonic() - started) * 1000
         metrics.http_requests.labels(_route_label(request), str(status)).inc()
         log.info("%s %s %s %d %.1fms", request_id, request.method, request.path, status, elapsed_ms)
+    if gone or response is None:
+        raise asyncio.CancelledError  # aiohttp ends the request quietly; no one to answer
     return response
 
 
@@ -206,12 +242,14 @@ def create_app(
     app[CONFIG] = config
     app[RUNNING] = set()
     app[STATE] = {}
+    app[COUNTING] = WorkerShare(config.count_threads or counting_share())
     app[METRICS] = ServerMetrics(lambda: holder.engine.stats() if holder.engine else None)
     for prefix in ("/v1", ""):
-        app.router.add_post(f"{prefix}/chat/completions", chat_completions)
-        app.router.add_post(f"{prefix}/responses", responses_route)
-        app.router.add_post(f"{prefix}/messages", anthropic_api.messages_route)
-        app.router.add_post(f"{prefix}/messages/count_tokens", anthropic_api.count_tokens)
+        for path, handler in (("/chat/completions", chat_completions),
+                              ("/responses", responses_route),
+                              ("/messages", anthropic_api.messages_route),
+                              ("/messages/count_tokens", anthropic_api.count_tokens)):
+            app.router.add_post(prefix + path, handler, expect_handler=_expect)
         app.router.add_get(f"{prefix}/models", _models)
         app.router.add_get(f"{prefix}/models/{{model}}", _model)
     app.router.add_get("/health", _health)

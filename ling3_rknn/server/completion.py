@@ -159,7 +159,7 @@ def generation_request(request: ChatRequest, prompt: Sequence[SegmentLike]) -> G
 
 
 @contextlib.contextmanager
-def _engine_errors(ended: str, request_id: str) -> Iterator[None]:
+def engine_errors(ended: str, request_id: str) -> Iterator[None]:
     """The engine's typed errors as the HTTP errors clients act on."""
     try:
         yield
@@ -218,7 +218,7 @@ class Completion:
         refusal that needs no generation is raised here as an ``ApiError``, however long
         encoding the prompt takes, so it can still be a plain HTTP error."""
         # Inside the try: an engine may also refuse synchronously, not only on first event.
-        with _engine_errors("The engine ended without a result.", self._request_id):
+        with engine_errors("The engine ended without a result.", self._request_id):
             self._generation = self._engine.generate(self._generation_request)
             first = await anext(self._generation)
         if isinstance(first, Admitted):
@@ -246,7 +246,7 @@ class Completion:
 
     async def _next(self) -> GenerationEvent:
         assert self._generation is not None
-        with _engine_errors("The engine stopped without finishing.", self._request_id):
+        with engine_errors("The engine stopped without finishing.", self._request_id):
             return await anext(self._generation)
 
     async def close(self) -> None:

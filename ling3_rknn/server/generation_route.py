@@ -139,8 +139,7 @@ async def serve(request: web.Request, api: WireApi) -> web.StreamResponse:
         return await _whole(request, api, completion, writer)
     except asyncio.CancelledError:
         if not app[STATE].get("stopping"):
-            metrics.disconnects.inc()
-            raise
+            raise  # the client left: the envelope logs and counts it (499)
         # Our shutdown cancelled a request whose headers are not out yet (a non-stream one,
         # running or queued, or a stream still waiting for its first event): it gets a 503
         # it can retry elsewhere, never a dropped connection. Streams already answering end

@@ -33,6 +33,12 @@ def fail(path: str, message: str) -> NoReturn:
 MAX_DEPTH = 128
 
 
+# Content parts (blocks) in one message or one tool result. Each costs little JSON and can
+# cost more prompt: an image block in a tool result becomes a 40-character note, so 100k of
+# them (3.3 MB) made 2.3 M tokens. Refused before any of them is read; agents send tens.
+MAX_PARTS = 1000
+
+
 def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
     """Raise ``Invalid`` naming the first place ``value`` nests deeper than ``limit``
     (iterative: the check itself cannot overflow the stack)."""
@@ -189,7 +195,7 @@ def text_or_parts(part: Check, what: str) -> Check:
         if isinstance(value, str):
             return value
         if isinstance(value, list):
-            return "\n".join(array(part)(value, path))
+            return "\n".join(array(part, max_items=MAX_PARTS)(value, path))
         fail(path, f"expected a string or an array of {what}, got {type_name(value)}")
 
     return run

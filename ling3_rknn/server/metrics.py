@@ -129,7 +129,7 @@ class ServerMetrics:
         )
         self.disconnects = Counter(
             f"{PREFIX}_client_disconnects",
-            "Generations cancelled because the client went away.",
+            "Requests ended because the client went away (a 499, or a stream cut short).",
             registry=self.registry,
         )
         self.in_flight = Gauge(

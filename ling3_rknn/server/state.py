@@ -12,6 +12,7 @@ from aiohttp import web
 from ling3_rknn.engine.api import EngineProtocol
 from ling3_rknn.server import errors
 from ling3_rknn.server.metrics import ServerMetrics
+from ling3_rknn.server.worker_share import WorkerShare
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class AppConfig:
     # sends one, is a loopback origin or one of ``allowed_origins`` ("*": any).
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    # Worker threads token counting may hold at once; None: a quarter of the default
+    # thread pool, at least one (server/worker_share.py).
+    count_threads: int | None = None
 
 
 class EngineHolder:
@@ -70,5 +74,6 @@ CONFIG = web.AppKey("config", AppConfig)
 METRICS = web.AppKey("metrics", ServerMetrics)
 RUNNING = web.AppKey("running", set)
 STATE = web.AppKey("state", dict)
+COUNTING = web.AppKey("counting", WorkerShare)
 # Typed request storage where this aiohttp has it (3.12+); a plain key on older ones.
 RID: Any = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"

@@ -19,6 +19,7 @@ from typing import Any
 from ling3_rknn.engine.api import SamplingParams
 from ling3_rknn.server.errors import ApiError, invalid_request
 from ling3_rknn.server.json_checks import (
+    MAX_PARTS,
     Check,
     Invalid,
     any_object,
@@ -81,7 +82,7 @@ def _content(value: Any, path: str) -> str | list[dict[str, Any]]:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return array(_text_part)(value, path)
+        return array(_text_part, max_items=MAX_PARTS)(value, path)
     fail(path, f"expected a string or an array of text parts, got {type_name(value)}")
     raise AssertionError("unreachable")
 

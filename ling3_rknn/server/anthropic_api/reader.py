@@ -20,6 +20,7 @@ from ling3_rknn.engine.api import SamplingParams
 from ling3_rknn.server import reasoning_seal
 from ling3_rknn.server.errors import invalid_request
 from ling3_rknn.server.json_checks import (
+    MAX_PARTS,
     Invalid,
     any_object,
     array,
@@ -81,7 +82,7 @@ def _result_block(value: Any, path: str) -> str:
 
 def _result_content(value: Any, path: str) -> str:
     if isinstance(value, list):
-        return "\n".join(array(_result_block)(value, path))
+        return "\n".join(array(_result_block, max_items=MAX_PARTS)(value, path))
     return _texts(value, path)
 
 
@@ -179,6 +180,9 @@ def _messages(value: Any, path: str) -> list[dict[str, Any]]:
         if isinstance(content, str):
             blocks = [{"type": "text", "text": content}]
         elif isinstance(content, list):
+            if len(content) > MAX_PARTS:
+                fail(join(where, "content"), f"expected at most {MAX_PARTS} content blocks, "
+                                             f"got {len(content)}")
             blocks = [_block(b, f"{where}.content[{j}]", role) for j, b in enumerate(content)]
         else:
             fail(join(where, "content"), "expected a string or an array of content blocks, "

@@ -13,6 +13,7 @@ from typing import Any
 
 from ling3_rknn.server import reasoning_seal
 from ling3_rknn.server.json_checks import (
+    MAX_PARTS,
     any_object,
     array,
     fail,
@@ -60,7 +61,7 @@ def _output_part(value: Any, path: str) -> str:
 
 def _output(value: Any, path: str) -> str:
     if isinstance(value, list):
-        return "\n".join(array(_output_part)(value, path))
+        return "\n".join(array(_output_part, max_items=MAX_PARTS)(value, path))
     return _text(value, path)
 
 
