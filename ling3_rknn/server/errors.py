@@ -9,9 +9,29 @@ from typing import Any
 
 from aiohttp import web
 
+# Error text quotes what the client sent (a value, a key, a model name); a 1 MB value must
+# not come back whole in the answer and in the log. Longer text keeps its head and tail.
+MESSAGE_CHARS = 2000
+PARAM_CHARS = 300
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` if it is at most ``limit`` characters, else its head and tail around a
+    note of how much was left out."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 4, limit // 4
+    return f"{text[:head]}...[{len(text) - head - tail} characters cut]...{text[-tail:]}"
+
+
+def shown(value: object, limit: int = 120) -> str:
+    """A client value quoted in an error message (its repr, cut to ``limit``)."""
+    return cut(repr(value), limit)
+
 
 class ApiError(Exception):
-    """An error that becomes ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error that becomes ``{"error": {"message", "type", "param", "code"}}``; message
+    and param are cut to ``MESSAGE_CHARS`` and ``PARAM_CHARS``."""
 
     def __init__(
         self,
@@ -24,11 +44,12 @@ class ApiError(Exception):
         headers: Mapping[str, str] | None = None,
         details: Mapping[str, Any] | None = None,
     ) -> None:
+        message = cut(message, MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
-        self.param = param
+        self.param = None if param is None else cut(param, PARAM_CHARS)
         self.code = code
         self.headers = dict(headers or {})
         # Facts another wire format words differently (e.g. the token counts of a prompt

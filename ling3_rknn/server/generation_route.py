@@ -90,7 +90,8 @@ def check_model(model: str, models: tuple[str, ...]) -> None:
     """A model that is neither the served id nor an alias is a 404 naming both."""
     if model not in models:
         raise errors.not_found(
-            f"The model '{model}' does not exist; this server serves '{models[0]}'.",
+            f"The model {errors.shown(model)} does not exist; this server serves "
+            f"'{models[0]}'.",
             "model_not_found",
             "model",
         )

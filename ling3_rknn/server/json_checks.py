@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
+from ling3_rknn.server.errors import shown
+
 
 class Invalid(Exception):
     """A value that breaks the schema; ``param`` is its path (None: the body)."""
@@ -146,7 +148,7 @@ def one_of(*choices: Any) -> Check:
     def run(value: Any, path: str) -> Any:
         if isinstance(value, bool) or value not in choices:
             options = ", ".join(repr(c) for c in choices)
-            fail(path, f"expected one of {options}, got {value!r}")
+            fail(path, f"expected one of {options}, got {shown(value)}")
         return value
 
     return run

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ling3_rknn.engine.api import SamplingParams
-from ling3_rknn.server.errors import ApiError, invalid_request
+from ling3_rknn.server.errors import ApiError, invalid_request, shown
 from ling3_rknn.server.json_checks import (
     MAX_PARTS,
     Check,
@@ -96,7 +96,7 @@ def _tool_call_arguments(value: Any, path: str) -> Any:
 
 
 def _history_tool_call(value: Any, path: str) -> dict[str, Any]:
-    function = {"name": string, "arguments": _tool_call_arguments}
+    function = {"name": tool_name, "arguments": _tool_call_arguments}
     return json_object(
         value,
         path,
@@ -157,14 +157,21 @@ def _message(value: Any, path: str) -> dict[str, Any]:
 
 
 def tool_name(value: Any, path: str) -> str:
-    """A tool name OpenAI's rule allows (every API's reader checks names with it)."""
+    """A tool name OpenAI's rule allows (every API's reader checks names with it, in
+    declared tools and in the calls of a history alike: both reach the prompt)."""
     return _checked_name(value, path, "tool names")
+
+
+def namespace_name(value: Any, path: str) -> str:
+    """A Responses namespace: it becomes part of a tool name in the prompt (``ns__name``),
+    so the same rule applies; the joined name is then at most 64 + 2 + 64 characters."""
+    return _checked_name(value, path, "namespace names")
 
 
 def _checked_name(value: Any, path: str, what: str) -> str:
     name = string(value, path)
     if not TOOL_NAME.match(name):
-        fail(path, f"{what} must match {TOOL_NAME.pattern}, got {name!r}")
+        fail(path, f"{what} must match {TOOL_NAME.pattern}, got {shown(name)}")
     return name
 
 
@@ -382,19 +389,28 @@ def _tool_results_answer_calls(messages: list[dict[str, Any]]) -> None:
     results may sit between them), by the id the server gave that call; OpenAI refuses
     anything else, and the template would render an orphan result as if it answered."""
     calls: list[dict[str, Any]] = []
+    answered: set[str] = set()
     for i, msg in enumerate(messages):
         role = msg["role"]
         if role == "assistant":
             calls = msg.get("tool_calls") or []
+            answered = set()
         elif role == "tool":
             if not calls:
                 fail(f"messages[{i}]", "a 'tool' message must answer a tool call of the "
                                         "assistant message before it")
             ids = {c.get("id") for c in calls}
-            if None not in ids and msg["tool_call_id"] not in ids:  # an id-less call: any
+            call_id = msg["tool_call_id"]
+            if None in ids:  # an id-less call: any id answers it
+                continue
+            if call_id in answered:
                 fail(f"messages[{i}].tool_call_id",
-                      f"{msg['tool_call_id']!r} is not the id of a tool call of the "
+                     f"{shown(call_id)} was already answered by an earlier 'tool' message")
+            if call_id not in ids:
+                fail(f"messages[{i}].tool_call_id",
+                      f"{shown(call_id)} is not the id of a tool call of the "
                       "assistant message before it")
+            answered.add(call_id)
         else:
             calls = []
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ling3_rknn.engine.api import SamplingParams
 from ling3_rknn.server import reasoning_seal
-from ling3_rknn.server.errors import invalid_request
+from ling3_rknn.server.errors import invalid_request, shown
 from ling3_rknn.server.json_checks import (
     MAX_PARTS,
     Invalid,
@@ -152,12 +152,18 @@ def _assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
 def _user(blocks: list[dict[str, Any]], path: str, calls: set[str]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     texts: list[str] = []
+    answered: set[str] = set()
     for j, block in enumerate(blocks):
         if block["type"] == "tool_result":
-            if block["tool_use_id"] not in calls:
+            use_id = block["tool_use_id"]
+            if use_id in answered:
                 fail(f"{path}.content[{j}].tool_use_id",
-                     f"{block['tool_use_id']!r} is not the id of a tool_use block of the "
+                     f"{shown(use_id)} was already answered by an earlier tool_result")
+            if use_id not in calls:
+                fail(f"{path}.content[{j}].tool_use_id",
+                     f"{shown(use_id)} is not the id of a tool_use block of the "
                      "assistant message before it")
+            answered.add(use_id)
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": block.get("content") or ""})
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ling3_rknn.server import reasoning_seal
+from ling3_rknn.server.errors import shown
 from ling3_rknn.server.json_checks import (
     MAX_PARTS,
     any_object,
@@ -27,6 +28,7 @@ from ling3_rknn.server.json_checks import (
     type_tag,
 )
 from ling3_rknn.server.responses_api.tools import ToolSet
+from ling3_rknn.server.validate import namespace_name, tool_name
 
 ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
@@ -76,8 +78,8 @@ def _message(value: Any, path: str) -> dict[str, Any]:
 
 def _function_call(value: Any, path: str) -> dict[str, Any]:
     return json_object(value, path, {
-        "type": string, "call_id": string, "name": string, "arguments": string,
-        "namespace": nullable(string), "id": string, "status": string,
+        "type": string, "call_id": string, "name": tool_name, "arguments": string,
+        "namespace": nullable(namespace_name), "id": string, "status": string,
     }, ("type", "call_id", "name", "arguments"))
 
 
@@ -126,12 +128,13 @@ class _Turns:
         self._tools = tools
         self._assistant: dict[str, Any] | None = None
         self._open_calls: set[str] = set()  # call ids the next outputs may answer
+        self._answered: set[str] = set()  # call ids with an output already
 
     def _turn(self) -> dict[str, Any]:
         if self._assistant is None:
             self._assistant = {"role": "assistant", "content": None}
             self.messages.append(self._assistant)
-            self._open_calls = set()
+            self._open_calls, self._answered = set(), set()
         return self._assistant
 
     def _close(self) -> None:
@@ -166,10 +169,16 @@ class _Turns:
         self._open_calls.add(item["call_id"])
 
     def output(self, item: dict[str, Any], path: str) -> None:
-        if item["call_id"] not in self._open_calls:
-            fail(join(path, "call_id"), f"{item['call_id']!r} does not answer a function_call "
+        call_id = item["call_id"]
+        if call_id in self._answered:
+            fail(join(path, "call_id"), f"{shown(call_id)} was already answered by an "
+                                        "earlier function_call_output")
+        if call_id not in self._open_calls:
+            fail(join(path, "call_id"), f"{shown(call_id)} does not answer a function_call "
                                         "of the assistant turn before it")
-        self._assistant = None  # the outputs end the turn; its call ids stay answerable
+        self._open_calls.discard(call_id)
+        self._answered.add(call_id)
+        self._assistant = None  # the outputs end the turn; its other calls stay answerable
         self.messages.append({"role": "tool", "tool_call_id": item["call_id"],
                               "content": item["output"]})
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ling3_rknn.engine.api import SamplingParams
-from ling3_rknn.server.errors import invalid_request
+from ling3_rknn.server.errors import invalid_request, shown
 from ling3_rknn.server.json_checks import (
     Invalid,
     any_object,
@@ -87,7 +87,7 @@ def _refused(reason: str) -> Any:
 
 def _previous_response(value: Any, path: str) -> None:
     if value is not None:
-        raise Invalid(f"Previous response with id '{value}' not found. This server stores no "
+        raise Invalid(f"Previous response with id {shown(value)} not found. This server stores no "
                       "responses: send the whole conversation in 'input' (with "
                       "store: false).", path)
 

@@ -28,7 +28,7 @@ from ling3_rknn.server.json_checks import (
     type_name,
     type_tag,
 )
-from ling3_rknn.server.validate import tool_name
+from ling3_rknn.server.validate import namespace_name, tool_name
 
 log = logging.getLogger("ling3_rknn.server")
 
@@ -80,7 +80,7 @@ def _function(value: Any, path: str) -> dict[str, Any]:
 def _namespace(value: Any, path: str) -> dict[str, Any]:
     return json_object(value, path, {
         "type": one_of("namespace"),
-        "name": string,
+        "name": namespace_name,
         "description": nullable(string),
         "tools": array(_function),
     }, ("type", "name", "tools"))
