@@ -18,20 +18,20 @@ MODEL = "ling-3.0-tiny"
 FN = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 
 
-def responses(**body: Any):  # noqa: ANN201
+def responses(**body: Any):
     return read_responses_request({"model": MODEL, **body})
 
 
-def messages(*msgs: dict[str, Any], **body: Any):  # noqa: ANN201
+def messages(*msgs: dict[str, Any], **body: Any):
     return read_messages_request({"model": MODEL, "max_tokens": 8, "messages": list(msgs),
                                   **body})
 
 
-def chat(*msgs: dict[str, Any], **body: Any):  # noqa: ANN201
+def chat(*msgs: dict[str, Any], **body: Any):
     return parse_chat_request({"model": MODEL, "messages": list(msgs), **body})
 
 
-def refused(read, *args: Any, **kwargs: Any) -> ApiError:  # noqa: ANN001
+def refused(read, *args: Any, **kwargs: Any) -> ApiError:
     with pytest.raises(ApiError) as info:
         read(*args, **kwargs)
     assert info.value.status == 400
