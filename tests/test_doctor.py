@@ -138,6 +138,22 @@ def test_memory_is_capped_by_the_services_cgroup(tmp_path):
     assert host.memory(SysRoot(root), 8 * 2**30).data["cgroup_limit_bytes"] is None
 
 
+def test_a_cgroup_limit_above_the_boards_memory_is_not_blamed(tmp_path):
+    """MemoryMax= of 64 GiB on a 32 GiB board caps nothing: a bundle too big for the board
+    is the board's fault, and raising MemoryMax= would not help."""
+    root = fake_board(tmp_path, mem_kb=32 * GIB_KB)
+    (root / "proc" / "self").mkdir(parents=True, exist_ok=True)
+    (root / "proc" / "self" / "cgroup").write_text("0::/system.slice/ling3-rknn.service\n")
+    unit = root / "sys" / "fs" / "cgroup" / "system.slice" / "ling3-rknn.service"
+    unit.mkdir(parents=True)
+    (unit / "memory.max").write_text(f"{64 * 2**30}\n")
+    (unit / "memory.current").write_text(f"{2**30}\n")
+    over = host.memory(SysRoot(root), 40 * 2**30)
+    assert over.status == "fail" and "more than the board has" in over.detail
+    assert "MemoryMax=" not in (over.fix or "") and "cgroup" not in over.detail
+    assert over.data["total_bytes"] == 32 * 2**30
+
+
 def test_host_says_not_an_rk3588_and_checks_the_bundle(tmp_path, capsys):
     assert doctor([], tmp_path) == 0  # an empty root: no device tree
     out = capsys.readouterr().out

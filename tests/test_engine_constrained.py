@@ -200,6 +200,26 @@ async def test_a_grammar_the_library_cannot_compile_is_invalid_request(engine):
     assert calls
 
 
+async def test_a_lazy_grammar_the_library_cannot_compile_serves_unconstrained(
+        engine, caplog, monkeypatch):
+    """Under plain auto the grammar only guards calls that used to be free: one the library
+    refuses (whatever the reason) leaves the turn unconstrained with one warning instead of
+    refusing the request; a full grammar's refusal is still the client's 400."""
+    grammar = turn_grammar(TOOLS, thinking=False)
+    assert grammar is not None and grammar.trigger is not None  # auto: lazy
+
+    def refuse(_grammar):
+        raise InvalidRequest("the constraint library refused this schema", "tools[0]")
+
+    monkeypatch.setattr(engine._grammars, "compile", refuse)
+    caplog.set_level("WARNING")
+    finished, _ = await constrained(engine, [USER], max_tokens=8)
+    assert finished.finish_reason in ("stop", "length", "tool_calls")
+    assert any("calls stay unconstrained" in r.getMessage() for r in caplog.records)
+    with pytest.raises(InvalidRequest):
+        await constrained(engine, [USER], tool_choice="required")
+
+
 async def test_a_tokenizer_the_library_cannot_read_refuses_constraints(model):
     class Unreadable:
         """The real tokenizer, but its tokens' bytes come back as text: llguidance cannot

@@ -69,3 +69,38 @@ async def test_shutdown_ends_a_running_stream_with_the_routes_error(route, endin
         response.release()
     assert ending in text
     assert engine.cancelled == 1
+
+
+@pytest.mark.parametrize("route", [*ROUTES, "chat"])
+async def test_a_drain_that_begins_while_the_body_is_prepared_is_a_503(route, monkeypatch):
+    """SIGTERM lands after the drain check at the top of the flow, while the body is still
+    being read and checked: the flow looks again before admission, so the request gets a
+    503 ``shutdown`` it can retry elsewhere and never reaches the engine."""
+    from ling3_rknn.server import generation_route
+    from ling3_rknn.server.state import STATE
+
+    path, body = ROUTES.get(route, ("/chat/completions",
+                                    {"messages": [{"role": "user", "content": "hi"}]}))
+    engine = ScriptedEngine()
+    prepare = generation_route._prepare
+    async with running_server(engine) as srv:
+        def prepare_then_drain(*args):
+            prepared = prepare(*args)
+            srv.app[STATE]["stopping"] = True  # the drain begins here
+            return prepared
+
+        monkeypatch.setattr(generation_route, "_prepare", prepare_then_drain)
+        async with aiohttp.ClientSession() as session, session.post(
+                srv.v1 + path, json={"model": "ling-3.0-tiny", **body}) as r:
+            assert r.status in (503, 529)  # 529: the Messages API's overloaded
+            assert r.headers["Retry-After"] == "5"
+            answer = await r.json()
+        srv.app[STATE]["stopping"] = False
+    assert "shut" in json_text(answer)
+    assert engine.requests == []
+
+
+def json_text(answer: dict) -> str:
+    import json
+
+    return json.dumps(answer)

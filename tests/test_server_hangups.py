@@ -101,3 +101,48 @@ async def test_a_declared_body_over_the_limit_is_refused_before_it_is_read():
         answer = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         assert answer.startswith(b"HTTP/1.1 413"), answer[:120]
+
+
+class _Inner:
+    """aiohttp's protocol as the guard sees it: records what it is handed."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def connection_made(self, transport: object) -> None:
+        pass
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+
+    def connection_lost(self, exc: object) -> None:
+        pass
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize("cut", range(1, 5))
+async def test_the_header_deadline_ends_when_the_blank_line_arrives_split(cut):
+    """The end of the headers (CRLF CRLF) split across two reads at every place: the
+    header deadline is cancelled all the same (a tail kept one byte short missed the
+    split after the first three bytes)."""
+    from ling3_rknn.server.connections import ConnectionLimits, ConnectionTracker, _Guard
+
+    tracker = ConnectionTracker(ConnectionLimits(max_connections=4, header_timeout_s=60.0))
+    inner, transport = _Inner(), _Transport()
+    guard = _Guard(inner, tracker)
+    guard.connection_made(transport)  # type: ignore[arg-type]
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    split = len(head) - cut
+    guard.data_received(head[:split])
+    guard.data_received(head[split:])
+    assert guard._deadline is None, f"deadline still armed with the blank line cut at {cut}"
+    assert inner.data == head
+    guard.connection_lost(None)
+    assert tracker.open == 0

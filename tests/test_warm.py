@@ -114,3 +114,21 @@ def test_cli_without_a_server_says_so_and_exits_2(tmp_path):
                           timeout=60)
     assert done.returncode == 2
     assert "no answer from" in done.stdout
+
+
+async def test_warm_reports_the_prompt_and_cached_tokens_the_server_answered():
+    """The counts come from the answer's usage (cached tokens from its
+    prompt_tokens_details), never a default that reads 0."""
+    from scripted_engine import ScriptedEngine
+    from server_harness import running_server
+
+    from ling3_rknn.warm import warm
+
+    engine = ScriptedEngine()
+    engine.push("</think>ok", cached_tokens=7)
+    async with running_server(engine) as srv:
+        (done,) = await asyncio.to_thread(
+            warm, srv.base, [("a.json", _agent_request("hi"))], model="ling-3.0-tiny")
+    assert done.source == "a.json"
+    assert done.cached_tokens == 7
+    assert done.prompt_tokens > 7
