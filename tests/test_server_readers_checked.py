@@ -169,3 +169,38 @@ def test_a_long_client_value_is_cut_in_the_error():
     assert len(error.message) <= MESSAGE_CHARS + 40
     assert error.param is not None and len(error.param) <= PARAM_CHARS + 40
     assert invalid_request("short", "p").message == "short"
+
+
+# ---- error paths in each API's own names ----------------------------------------------------
+
+DEEP = "[" * 3000 + "]" * 3000  # valid JSON only a recursion-limited parser refuses
+
+
+async def test_responses_errors_name_responses_paths_not_chat_paths():
+    """Render and grammar refusals come back under the Responses body's own fields."""
+    import aiohttp
+    from scripted_engine import ScriptedEngine
+    from server_harness import running_server
+
+    bad_schema = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "minLength": 5,
+                                              "maxLength": 2}}}}
+    cases = [
+        ({"input": [{"role": "user", "content": "x"},
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                     "arguments": DEEP},
+                    {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+          "tools": [FN]}, "input", "input[1].arguments"),
+        ({"input": "x", "tools": [{"type": "web_search"}, bad_schema],
+          "tool_choice": "required"}, "tools[1].parameters.properties.x", None),
+    ]
+    async with running_server(ScriptedEngine()) as srv, aiohttp.ClientSession() as session:
+        for body, param, quoted in cases:
+            async with session.post(srv.v1 + "/responses",
+                                    json={"model": MODEL, **body}) as r:
+                assert r.status == 400
+                error = (await r.json())["error"]
+            assert error["param"] == param, error
+            assert "messages[" not in error["message"] and ".function" not in error["message"]
+            if quoted:
+                assert quoted in error["message"], error

@@ -20,7 +20,9 @@ from aiohttp import web
 from ling3_rknn.engine.api import SegmentLike
 from ling3_rknn.server import errors
 from ling3_rknn.server.completion import engine_errors, render_prompt
+from ling3_rknn.server.errors import ApiError
 from ling3_rknn.server.generation_route import check_model, parse_json, served_models
+from ling3_rknn.server.param_names import renamed
 from ling3_rknn.server.state import COUNTING, ENGINE, RID, STATE
 from ling3_rknn.server.validate import ChatRequest
 
@@ -39,8 +41,11 @@ def _prepare(api: CountApi, raw: bytes, models: tuple[str, ...]) -> Sequence[Seg
     """Body to prompt segments: parsing, the reader's checks and rendering, whose cost
     grows with the body (a worker thread's job, never the event loop's)."""
     chat_request = api.read(parse_json(raw))
-    check_model(chat_request.model, models)
-    return render_prompt(chat_request)
+    try:
+        check_model(chat_request.model, models)
+        return render_prompt(chat_request)
+    except ApiError as exc:
+        raise renamed(chat_request.names, exc) from None
 
 
 def route(api: CountApi) -> Callable[[web.Request], Any]:

@@ -26,6 +26,7 @@ from ling3_rknn.server import errors
 from ling3_rknn.server.completion import Completion, CompletionEvent
 from ling3_rknn.server.errors import ApiError
 from ling3_rknn.server.metrics import ServerMetrics
+from ling3_rknn.server.param_names import renamed
 from ling3_rknn.server.sse import SseWriter
 from ling3_rknn.server.state import CONFIG, ENGINE, METRICS, RID, RUNNING, STATE
 from ling3_rknn.server.validate import ChatRequest, require_object
@@ -104,8 +105,11 @@ def _prepare(api: WireApi, raw: bytes, engine: Any, models: tuple[str, ...],
     body, 2,000 tools), so this runs in a worker thread, never on the event loop every
     other client needs."""
     chat_request, notes = api.read(parse_json(raw))
-    check_model(chat_request.model, models)
-    completion = Completion(engine, chat_request, request_id)
+    try:
+        check_model(chat_request.model, models)
+        completion = Completion(engine, chat_request, request_id)
+    except ApiError as exc:
+        raise renamed(chat_request.names, exc) from None
     return completion, api.writer(chat_request, notes, engine.model_id, chat_request.stream)
 
 
@@ -138,6 +142,8 @@ async def serve(request: web.Request, api: WireApi) -> web.StreamResponse:
         if chat_request.stream:
             return await _stream(request, api, completion, writer)
         return await _whole(request, api, completion, writer)
+    except ApiError as exc:  # the engine's refusals, in this API's own names
+        raise renamed(chat_request.names, exc) from None
     except asyncio.CancelledError:
         if not app[STATE].get("stopping"):
             raise  # the client left: the envelope logs and counts it (499)
@@ -209,7 +215,8 @@ async def _stream(request: web.Request, api: WireApi, completion: Completion,
                     if data:
                         await sse.write(data)
         except ApiError as exc:
-            await _send_error(sse, writer, exc, request[RID], metrics)
+            await _send_error(sse, writer, renamed(completion.request.names, exc),
+                              request[RID], metrics)
         except asyncio.CancelledError:
             if not app[STATE].get("stopping"):
                 raise

@@ -37,6 +37,7 @@ from ling3_rknn.server.json_checks import (
     string_map,
     type_name,
 )
+from ling3_rknn.server.param_names import ParamNames
 
 # Outside this range the penalty divides or multiplies logits past float range (1e-300
 # made every logit infinite); the engine checks the same bounds (engine/sampler.py).
@@ -64,6 +65,8 @@ class ChatRequest:
     forced_tool: str | None = None  # tool_choice names this tool
     allowed_tools: tuple[str, ...] | None = None  # tool_choice allowed_tools: callable subset
     response_schema: dict[str, Any] | None = None  # response_format's JSON schema
+    # Where the parts came from in another API's body (None: the chat route's own names).
+    names: ParamNames | None = None
 
 
 # ---- messages ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ling3_rknn.server.json_checks import (
     type_name,
     type_tag,
 )
+from ling3_rknn.server.param_names import ParamNames
 from ling3_rknn.server.responses_api.tools import ToolSet
 from ling3_rknn.server.validate import namespace_name, tool_name
 
@@ -125,6 +126,9 @@ class _Turns:
 
     def __init__(self, tools: ToolSet) -> None:
         self.messages: list[dict[str, Any]] = []
+        self.sources: list[str] = []  # the item (or field) each message began at
+        self.call_sources: dict[tuple[int, int], str] = {}  # (message, call) -> its item
+        self.where = "input"  # the item being read
         self._tools = tools
         self._assistant: dict[str, Any] | None = None
         self._open_calls: set[str] = set()  # call ids the next outputs may answer
@@ -133,9 +137,13 @@ class _Turns:
     def _turn(self) -> dict[str, Any]:
         if self._assistant is None:
             self._assistant = {"role": "assistant", "content": None}
-            self.messages.append(self._assistant)
+            self._add(self._assistant)
             self._open_calls, self._answered = set(), set()
         return self._assistant
+
+    def _add(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        self.sources.append(self.where)
 
     def _close(self) -> None:
         self._assistant = None
@@ -151,7 +159,7 @@ class _Turns:
         if role != "assistant":
             self._close()
             self._open_calls = set()
-            self.messages.append({"role": role, "content": text})
+            self._add({"role": role, "content": text})
             return
         turn = self._turn()
         if "tool_calls" in turn:  # text after calls starts the model's next turn
@@ -162,6 +170,7 @@ class _Turns:
     def call(self, item: dict[str, Any]) -> None:
         turn = self._turn()
         name = self._tools.flat_name(item["name"], item.get("namespace"))
+        self.call_sources[len(self.messages) - 1, len(turn.get("tool_calls", ()))] = self.where
         turn.setdefault("tool_calls", []).append({
             "id": item["call_id"], "type": "function",
             "function": {"name": name, "arguments": item["arguments"]},
@@ -179,21 +188,23 @@ class _Turns:
         self._open_calls.discard(call_id)
         self._answered.add(call_id)
         self._assistant = None  # the outputs end the turn; its other calls stay answerable
-        self.messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                              "content": item["output"]})
+        self._add({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
 
 
 def read_input(value: Any, instructions: str | None, tools: ToolSet,
-               path: str = "input") -> list[dict[str, Any]]:
-    """Chat messages for ``instructions`` + ``input`` (a string or a list of items)."""
+               path: str = "input") -> tuple[list[dict[str, Any]], ParamNames]:
+    """Chat messages for ``instructions`` + ``input`` (a string or a list of items), and
+    where each came from (for errors named after them)."""
     turns = _Turns(tools)
     if instructions:
-        turns.messages.append({"role": "system", "content": instructions})
+        turns.where = "instructions"
+        turns.text("system", instructions)
+    turns.where = path
     if isinstance(value, str):
         turns.text("user", value)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            where = f"{path}[{i}]"
+            where = turns.where = f"{path}[{i}]"
             kind = any_object(item, where).get("type", "message")
             if kind == "message":
                 message = _message(item, where)
@@ -214,4 +225,9 @@ def read_input(value: Any, instructions: str | None, tools: ToolSet,
         fail(path, f"expected a string or an array of input items, got {type_name(value)}")
     if not any(m["role"] != "system" for m in turns.messages):
         fail(path, "expected at least one input message or item")
-    return turns.messages
+    names = ParamNames(path, turns.sources, turns.call_sources, list(tools.paths),
+                       call_fields={".name": ".name", ".arguments": ".arguments"},
+                       renames={"response_format.json_schema.schema": "text.format.schema",
+                                "response_format": "text.format",
+                                "tool_choice.allowed_tools.tools": "tool_choice.tools"})
+    return turns.messages, names

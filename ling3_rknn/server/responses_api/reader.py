@@ -141,7 +141,7 @@ def read_responses_request(body: dict[str, Any]) -> tuple[ChatRequest, Responses
         fields = json_object(body, "", _TOP_LEVEL, ("model", "input"))
         tools = read_tools(fields.get("tools"))
         tool_choice, forced, allowed = read_tool_choice(fields.get("tool_choice"), tools)
-        messages = read_input(fields["input"], fields.get("instructions"), tools)
+        messages, names = read_input(fields["input"], fields.get("instructions"), tools)
     except Invalid as exc:
         raise invalid_request(exc.message, exc.param) from None
     reasoning = fields.get("reasoning") or {}
@@ -161,6 +161,7 @@ def read_responses_request(body: dict[str, Any]) -> tuple[ChatRequest, Responses
                                 top_p=fields.get("top_p")),
         enable_thinking=reasoning.get("effort") != "none",
         response_schema=_response_schema(fields.get("text")),
+        names=names,
     )
     echo = {key: fields.get(key) for key in (
         "instructions", "max_output_tokens", "metadata", "temperature", "top_p", "user",

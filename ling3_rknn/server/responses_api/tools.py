@@ -48,6 +48,7 @@ class ToolSet:
     tools: list[dict[str, Any]] = field(default_factory=list)
     namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)  # flat -> (ns, name)
     skipped: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # each tool's place in the body
 
     def flat_name(self, name: str, namespace: str | None) -> str:
         return name if namespace is None else join_namespace(namespace, name)
@@ -97,10 +98,10 @@ def read_tools(value: Any, path: str = "tools") -> ToolSet:
         where = f"{path}[{i}]"
         kind = type_tag(tool, where)
         if kind == "function":
-            entries = [(_function(tool, where), join(where, "name"), None)]
+            entries = [(_function(tool, where), where, None)]
         elif kind == "namespace":
             space = _namespace(tool, where)
-            entries = [(t, f"{where}.tools[{j}].name", space["name"])
+            entries = [(t, f"{where}.tools[{j}]", space["name"])
                        for j, t in enumerate(space["tools"])]
         elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:
             out.skipped.append(kind)
@@ -109,7 +110,8 @@ def read_tools(value: Any, path: str = "tools") -> ToolSet:
             fail(join(where, "type"), f"unsupported tool type {kind!r}: this server runs "
                                       "'function' and 'namespace' tools")
             raise AssertionError("unreachable")
-        for entry, name_path, namespace in entries:
+        for entry, tool_path, namespace in entries:
+            name_path = join(tool_path, "name")
             name = entry["function"]["name"]
             if namespace is not None:
                 flat = join_namespace(namespace, name)
@@ -119,6 +121,7 @@ def read_tools(value: Any, path: str = "tools") -> ToolSet:
                 fail(name_path, f"duplicate tool name {name!r} (also {seen[name]})")
             seen[name] = name_path
             out.tools.append(entry)
+            out.paths.append(tool_path)
     if out.skipped:
         log.info("responses: skipped hosted tools this server cannot run: %s",
                  ", ".join(out.skipped))
