@@ -4,7 +4,10 @@
 
 Attacks: a 15 MB prompt; two 6 MB prompts at once; an enum checked against `^(a+)+$`
 (a forced call, and a lenient tool under parallel_tool_calls false); 2,000 tools; 4,200
-connections that send half a request's headers and stop.
+connections that send half a request's headers and stop; count_tokens on 15 MB, eight
+4 MB counts beside a chat, three 15 MB counts whose clients hang up, 100k image blocks;
+two 6 MB prompts on Messages and on Responses; ten clients leaving part way through
+their body.
 
     .venv/bin/python tests/bench/bench_abuse.py [ATTACK ...]
 """
@@ -119,13 +122,22 @@ async def run(name: str, attack: Attack) -> None:
           f"tracebacks {server.tracebacks}", flush=True)
 
 
-async def post(base: str, body: dict[str, Any]) -> tuple[int, Any]:
+async def post(base: str, body: dict[str, Any], path: str = "/v1/chat/completions"
+               ) -> tuple[int, Any]:
     timeout = aiohttp.ClientTimeout(total=600)
     async with (aiohttp.ClientSession(timeout=timeout) as session,
-                session.post(base + "/v1/chat/completions", data=json.dumps(body),
+                session.post(base + path, data=json.dumps(body),
                              headers={"Content-Type": "application/json"}) as r):
-        error = (await r.json()).get("error") or {}
-        return r.status, error.get("code") or error.get("param")
+        answer = await r.json()
+        if r.status == 200 and "input_tokens" in answer:
+            return r.status, answer["input_tokens"]
+        error = answer.get("error") or {}
+        return r.status, (error.get("code") or error.get("param")
+                          or str(error.get("message", ""))[:60])
+
+
+def messages(content: Any, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
 
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:
@@ -165,6 +177,74 @@ async def tools2000(base: str, port: int) -> Any:
     return await post(base, chat("hi", tools=tools, tool_choice="required"))
 
 
+async def count_15mb(base: str, port: int) -> Any:
+    return await post(base, messages("abcd " * 3_000_000), "/v1/messages/count_tokens")
+
+
+async def count_8x4mb(base: str, port: int) -> Any:
+    """Eight 4 MB counts at once, and another client's 4-token chat meanwhile."""
+    body = messages("abcd " * 800_000)
+    counts = [asyncio.ensure_future(post(base, body, "/v1/messages/count_tokens"))
+              for _ in range(8)]
+    started = time.monotonic()
+    chat_answer = await post(base, chat("hi"))
+    chat_s = time.monotonic() - started
+    return (f"counts {await asyncio.gather(*counts)}; a chat meanwhile {chat_answer} in "
+            f"{chat_s:.2f} s")
+
+
+async def count_hangups(base: str, port: int) -> str:
+    """Three clients send a 15 MB count and hang up 0.3 s later."""
+    raw = json.dumps(messages("abcd " * 3_000_000)).encode()
+    head = (f"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode()
+    writers = []
+    for _ in range(3):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head + raw)
+        writers.append(writer)
+    await asyncio.sleep(0.3)
+    for writer in writers:
+        writer.close()
+    return "3 clients left 0.3 s after sending"
+
+
+async def count_images(base: str, port: int) -> Any:
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": ""}}] * 100_000
+    return await post(base, {"model": MODEL, "messages": [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": blocks}]}]}, "/v1/messages/count_tokens")
+
+
+async def messages_6mb(base: str, port: int) -> Any:
+    body = messages("abcd " * 1_200_000, max_tokens=2)
+    return await asyncio.gather(post(base, body, "/v1/messages"),
+                                post(base, body, "/v1/messages"))
+
+
+async def responses_6mb(base: str, port: int) -> Any:
+    body = {"model": MODEL, "input": "abcd " * 1_200_000, "max_output_tokens": 2}
+    return await asyncio.gather(post(base, body, "/v1/responses"),
+                                post(base, body, "/v1/responses"))
+
+
+async def body_hangups(base: str, port: int) -> str:
+    """Ten clients announce 100 KB, send 10 bytes and close (logged as 500s before)."""
+    for _ in range(10):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                     b'{"model": ')
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+    return "10 clients left part way through their body"
+
+
 async def slowloris(base: str, port: int) -> str:
     streams = []
     for _ in range(4200):
@@ -194,6 +274,9 @@ async def slowloris(base: str, port: int) -> str:
 ATTACKS: dict[str, Attack] = {
     "one_big": one_big, "two_6mb": two_6mb, "regex27": regex27, "regex_auto": regex_auto,
     "tools2000": tools2000, "slowloris": slowloris,
+    "count_15mb": count_15mb, "count_8x4mb": count_8x4mb, "count_hangups": count_hangups,
+    "count_images": count_images, "messages_6mb": messages_6mb,
+    "responses_6mb": responses_6mb, "body_hangups": body_hangups,
 }
 
 
