@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ import numpy as np
 from ..bundle import Bundle, VerifyMode
 from ..config import ModelConfig
 from ..cpu_threads import apply_thread_policy
+from ..npu.matmul_plan import MatmulError
 from . import native
 from .backend import NumpyStages, StageBackend
 from .bundle_loader import ExecutorChoice, load_bundle_parts, runtime_for
@@ -19,7 +21,14 @@ from .checkpoint import Checkpoint
 from .cpu_weights import CpuWeights
 from .kda import kda_core, kda_decode, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
-from .mla_expanded import PREFILL_SCRATCH_BYTES, expanded_attention
+from .mla_expanded import (
+    CPU_ROWS,
+    PREFILL_SCRATCH_BYTES,
+    ExpandedRows,
+    ProjectedRows,
+    expanded_attention,
+)
+from .mla_npu import NpuAttention, NpuRows
 from .moe import ExpertBackend, NumpyExperts, route
 from .snapshot_arrays import SnapshotArrays
 from .stages import LayerOutput
@@ -36,6 +45,8 @@ from .weights import CheckpointWeights
 # (``Model.kda_decode_split``; slower on the host, to be measured on the board:
 # docs/performance.md, "KDA step").
 KDA_DECODE_SPLIT_ENV = "LING3_RKNN_KDA_DECODE_SPLIT"
+
+log = logging.getLogger(__name__)
 
 
 # Tokens per prefill forward when the stages take any length (numpy) or only small graphs.
@@ -58,6 +69,7 @@ class Model:
         latent_dtype: str = "float32",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         npu_graphs: bool = False,
+        npu_attention: NpuAttention | None = None,
     ) -> None:
         self.config = config
         self.bundle = bundle  # the bundle it was loaded from (``from_bundle``), else None
@@ -68,6 +80,10 @@ class Model:
         self.threads = threads
         # tokens per prefill forward the engine should feed: a bundle's largest graph shape
         self.prefill_chunk = prefill_chunk
+        # prefill attention's matmuls on the NPU (mla_npu.py); None: the CPU kernel
+        self.npu_attention = npu_attention
+        if npu_attention is not None:
+            self.prefill_chunk = max(prefill_chunk, npu_attention.shapes.query_rows)
         self._scale = float(config.qk_head_dim) ** -0.5
         self._layout = StateLayout.from_config(config, latent_dtype)
         self.latent_dtype = latent_dtype  # the MLA latent cache's dtype (state.LATENT_DTYPES)
@@ -205,7 +221,7 @@ class Model:
             return False
         return state.prefill_scratch.choose(
             self.cpu.mla_bases, self.config.qk_rope_head_dim, state.length, t,
-            self.prefill_scratch_bytes)
+            self.prefill_scratch_bytes, store=self.npu_attention or CPU_ROWS)
 
     def _mla_layer(
         self, i: int, x: np.ndarray, state: SequenceState, rope: tuple[np.ndarray, np.ndarray],
@@ -223,14 +239,28 @@ class Model:
             # rows not projected yet (a cached prefix, an absorbed chunk), then this chunk's,
             # as the cache stores them (float16 rounded when it is float16)
             rows.extend(cache.rows(rows.length, cache.length))
-            ctx = expanded_attention(inp.q_latent, q_rope, rows, cache.length, self._scale,
-                                     pool=self._split_pool(), parts=self.threads)
+            ctx = self._expanded_attention(inp.q_latent, q_rope, rows, cache.length)
             if ctx is None:  # the kernel refused: this chunk absorbed, the rows now stale
                 state.prefill_scratch.release()
         if ctx is None:
             ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length,
                                 self._scale, pool=self._split_pool(), parts=self.threads)
         return self.stages.mla_output(i, x, ctx, inp.gate)
+
+    def _expanded_attention(self, q_latent: np.ndarray, q_rope: np.ndarray,
+                            rows: ProjectedRows, length: int) -> np.ndarray | None:
+        """The expanded form on the rows' own engine: the NPU's matmuls or the CPU kernel.
+        None when it cannot run (the chunk then runs absorbed)."""
+        if isinstance(rows, NpuRows):
+            assert self.npu_attention is not None
+            try:
+                return self.npu_attention.attend(q_latent, q_rope, rows, length, self._scale)
+            except MatmulError as exc:
+                log.warning("NPU attention failed (%s): this chunk runs on the CPU", exc)
+                return None
+        assert isinstance(rows, ExpandedRows)
+        return expanded_attention(q_latent, q_rope, rows, length, self._scale,
+                                  pool=self._split_pool(), parts=self.threads)
 
     def _decode_pool(self) -> ThreadPoolExecutor | None:
         """Threads for a decode token's KDA heads (``kda_decode_split``)."""

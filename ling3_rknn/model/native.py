@@ -333,3 +333,29 @@ def kda_chunk_takes(d: int, chunk: int) -> bool:
     kernel is on and loaded and the widths are ones it takes."""
     return (_enabled and d > 0 and d % _KDA_D_MULTIPLE == 0 and 1 <= chunk <= _KDA_MAX_CHUNK
             and _load() is not None)
+
+
+def softmax_piece(scores: np.ndarray, limit: np.ndarray, run_max: np.ndarray,
+                  denom: np.ndarray, acc: np.ndarray, p: np.ndarray) -> bool:
+    """``attn_softmax.c``'s online softmax over one piece of an NPU attention's scores
+    [m, n] (row i sees its first ``limit[i]`` columns): rescales ``run_max``, ``denom`` [m]
+    and ``acc`` [m, dv] in place and writes the float16 probabilities into ``p`` [m, n].
+    False when the kernel is off or cannot run here (the caller then takes numpy's path);
+    raises ValueError for a limit outside [0, n]."""
+    lib = _load() if _enabled else None
+    if lib is None:
+        return False
+    m, n = scores.shape
+    if (not _plain(scores, run_max, denom, acc) or limit.dtype != np.int32
+            or not limit.flags.c_contiguous or p.dtype != np.float16
+            or not p.flags.c_contiguous or p.shape != (m, n) or limit.shape != (m,)
+            or run_max.shape != (m,) or denom.shape != (m,) or acc.ndim != 2
+            or acc.shape[0] != m):
+        return False
+    scratch = np.empty(2 * n, dtype=np.float32)
+    status = lib.attn_softmax_piece(
+        scores.ctypes.data, m, n, limit.ctypes.data, run_max.ctypes.data, denom.ctypes.data,
+        acc.ctypes.data, acc.shape[1], p.ctypes.data, scratch.ctypes.data)
+    if status == -1:
+        raise ValueError(f"softmax limits must lie in [0, {n}]")
+    return status == 0

@@ -12,7 +12,7 @@
 
 /* Bumped with every change to a kernel's signature or meaning: native.py refuses a library
  * whose number differs (one built from older sources), instead of calling it wrongly. */
-#define LING3_NATIVE_ABI 5
+#define LING3_NATIVE_ABI 6
 
 /* Floats per vector (vf16, native_vec.h): the 16 heads of Ling-3.0-tiny's MLA and the query
  * columns of one prefill tile. */
@@ -63,5 +63,14 @@ int kda_decode_heads(const float *qkv, float *tail, const float *taps, int k, in
 int kda_chunk_heads(const float *q, const float *k, const float *v, const float *log_decay,
                     const float *beta, int t_len, int heads, int d, int chunk, float *state,
                     float *out, int h0, int h1, float *scratch);
+
+/* attn_softmax.c: one piece of cached rows in the online softmax of a prefill chunk whose
+ * Q.K^T and P.V run on the NPU. scores [m, n]; row i sees its first limit[i] columns. The
+ * running max, denominator [m] and context acc [m, dv] are carried across pieces (max
+ * starts at -FLT_MAX, the others at 0) and rescaled here; p [m, n] gets the float16 bits
+ * of exp(score - max), 0 where unseen. scratch: 2 * n floats. Returns 0, -1 for a limit
+ * outside [0, n], -2 where this build has no float16 conversion. */
+int attn_softmax_piece(const float *scores, int m, int n, const int32_t *limit, float *run_max,
+                       float *denom, float *acc, int dv, uint16_t *p, float *scratch);
 
 #endif

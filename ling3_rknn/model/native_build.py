@@ -36,7 +36,7 @@ from pathlib import Path
 from .native_abi import HEADER, abi
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("mla_attention.c", "kda_decode.c", "kda_chunk.c", "native_info.c")
+SOURCES = ("mla_attention.c", "kda_decode.c", "kda_chunk.c", "attn_softmax.c", "native_info.c")
 HEADERS = ("native_vec.h", HEADER.name)
 LIBRARY = "ling3-native.so"
 MANIFEST = "ling3-native.json"
