@@ -161,7 +161,7 @@ class CpuRowStore:
         return ExpandedRows(bases, rope)
 
     def row_bytes(self, bases: MlaBases, rope: int) -> int:
-        return bases.heads * bases.row_width(rope) * 4
+        return bases.key.shape[0] * bases.row_width(rope) * 4  # float32
 
     def ready(self) -> bool:
         return native.available()
