@@ -5,7 +5,7 @@ oracle tests) with a bound derived from the float16 steps the NPU path adds, and
 the model against its CPU path. The NPU here is the numpy double of the matmul interface
 (tests/npu_matmul_double.py) and, where it is built, the C stand-in of librknnrt.
 
-The bound (per query, on the context's 2-norm, docs/model.md 5.6). Float16 rounds q and k
+The bound (per query, on the context's 2-norm, docs/model.md 5.5). Float16 rounds q and k
 (relative u = 2^-11 each; their products are exact in float32) and the float32 sum of the
 qk products adds at most qk * 2^-24 relative: each score is off by at most
 E = (2u + u^2 + qk 2^-24) sum_i |q_i k_i|. Scores off by E move each probability by a

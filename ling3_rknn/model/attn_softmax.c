@@ -1,5 +1,5 @@
 /*
- * The CPU's share of prefill attention on the NPU (mla_npu.py, docs/model.md 5.6): between
+ * The CPU's share of prefill attention on the NPU (mla_npu.py, docs/model.md 5.5): between
  * the NPU's Q.K^T and P.V of one piece of cached rows, the online softmax of the piece's
  * scores. numpy would pass over the [queries, rows] scores five times (mask, max, subtract,
  * exp, float16); at 16K prompt tokens that is ~1.3e10 scores per prompt, the CPU residue

@@ -1,4 +1,4 @@
-"""MLA prefill attention in the expanded form with its matmuls on the NPU (docs/model.md 5.6).
+"""MLA prefill attention in the expanded form with its matmuls on the NPU (docs/model.md 5.5).
 
 The expanded form (``mla_expanded.py``) scores a chunk's queries per head against projected
 rows [U^T c | k_rope] and sums projected values V^T c: per head two plain matmuls, which
