@@ -301,3 +301,22 @@ def test_an_npu_failure_runs_the_chunk_on_the_cpu(monkeypatch):
     lp, lq = _log_softmax(want[40:80]), _log_softmax(logits)
     assert (logits.argmax(axis=1) == want[40:80].argmax(axis=1)).all()
     assert float((np.exp(lp) * (lp - lq)).sum(axis=1).max()) < 1e-4
+
+
+def test_the_bench_splits_out_npu_attention():
+    from ling3_rknn.bench.timers import ComponentTimers
+
+    path = ORACLE_DIR / ORACLE_FIXTURES[0]
+    with np.load(path / "reference.npz") as ref:
+        ids = np.asarray(ref["input_ids"])
+    runtime = DoubleRuntime()
+    model = _npu_model(Model.from_hf(path), runtime)
+    timers = ComponentTimers()
+    timers.install(model)
+    model.forward(ids[:70], model.new_state())
+    split = timers.prefill
+    ms = split.per_token_ms()
+    assert split.npu_attention > 0 and split.attention_matmul > 0
+    assert split.attention_softmax > 0
+    assert model.npu_attention.counters.runs == len(runtime.runs)  # every run counted
+    assert ms["cpu_glue"] < ms["forward"] - ms["npu_attention"] + 1e-9

@@ -23,6 +23,8 @@ float32 rows; they are the only copy.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -80,6 +82,27 @@ class NpuAttentionShapes:
         return self.heads * (self.qk_pad + self.dv_pad) * 2
 
 
+@dataclass
+class AttentionCounters:
+    """Where prefill attention's time went, summed over the cores' threads: the matmul runs
+    (the NPU, and on a host its stand-in) and the softmax between them (the CPU). Read by
+    ``ling3-rknn bench``: on a board, ``softmax_s`` above ``matmul_s`` says the CPU is what
+    the NPU waits on."""
+
+    runs: int = 0
+    matmul_s: float = 0.0
+    softmax_s: float = 0.0
+
+    def add(self, runs: int, matmul_s: float, softmax_s: float) -> None:
+        with _COUNTER_LOCK:
+            self.runs += runs
+            self.matmul_s += matmul_s
+            self.softmax_s += softmax_s
+
+
+_COUNTER_LOCK = threading.Lock()
+
+
 class NpuAttention:
     """The matmul contexts of the prefill attention: one scores and one context matmul per
     NPU core. Built once per model; ``new_rows`` makes a layer's row store on them."""
@@ -103,6 +126,7 @@ class NpuAttention:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(self.cores, thread_name_prefix="ling3-npu-attn")
+        self.counters = AttentionCounters()
 
     def core_of(self, head: int) -> int:
         return head % self.cores
@@ -173,14 +197,22 @@ class NpuAttention:
         acc = np.zeros((s.query_rows, s.dv_pad), np.float32)
         p = np.empty((s.query_rows, s.piece_rows), np.float16)
         last = int(visible[n - 1])
+        runs, matmul, softmax = 0, 0.0, 0.0
+        clock = time.perf_counter
         for index, (keys, values) in enumerate(pieces):
             start = index * s.piece_rows
             if start >= last:
                 break
+            t0 = clock()
             scores = self._scores[core].run(a, keys)
+            t1 = clock()
             limit = np.clip(visible - start, 0, s.piece_rows).astype(np.int32)
             softmax_piece(scores, limit, run_max, denom, acc, p)
+            t2 = clock()
             acc += self._context[core].run(p, values)
+            runs, matmul, softmax = runs + 2, matmul + (t1 - t0) + (clock() - t2), softmax + (
+                t2 - t1)
+        self.counters.add(runs, matmul, softmax)
         return acc[:n, :s.dv] / denom[:n, None]
 
 
