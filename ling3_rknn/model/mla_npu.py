@@ -23,13 +23,17 @@ float32 rows; they are the only copy.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
+from ling3_rknn.config import ModelConfig
+from ling3_rknn.npu.matmul import open_runtime, resolve_library
 from ling3_rknn.npu.matmul_plan import (
     ALIGN,
     NPU_CORES,
@@ -43,6 +47,13 @@ from ling3_rknn.npu.matmul_plan import (
 
 from . import native
 from .mla_expanded import MlaBases
+
+log = logging.getLogger(__name__)
+
+# auto: on a board (librknnrt present); on: wherever the matmul runtime opens (the host
+# stand-in off a board); off: the CPU kernel
+NpuPrefillChoice = Literal["auto", "on", "off"]
+NPU_PREFILL_CHOICES: tuple[NpuPrefillChoice, ...] = ("auto", "on", "off")
 
 PIECE_ROWS = 2048
 QUERY_ROWS = 256
@@ -344,3 +355,31 @@ def _free(piece: list[tuple[MatmulB, MatmulB]]) -> None:
         kt.free()
         v.free()
 
+
+
+def open_npu_attention(config: ModelConfig, choice: NpuPrefillChoice,
+                       runtime: str | None) -> NpuAttention | None:
+    """The prefill attention's NPU contexts for a model, or None for the CPU kernel.
+    ``runtime``: the matmul library choice (board | mock | None for auto, as the graph
+    executors' ``LING3_NPU_RUNTIME``). ``auto`` takes the NPU only where librknnrt is there:
+    on a host the stand-in computes what the NPU would, slower than the CPU kernel, so it is
+    for tests (``on``), not for serving. Raises MatmulError when ``on`` cannot open it."""
+    if choice not in NPU_PREFILL_CHOICES:
+        raise ValueError(f"npu prefill must be one of {list(NPU_PREFILL_CHOICES)}, "
+                         f"got {choice!r}")
+    if choice == "off" or not config.mla_layers:
+        return None
+    if choice == "auto" and resolve_library(runtime)[0] != "librknnrt":
+        return None
+    shapes = NpuAttentionShapes(config.num_attention_heads,
+                                config.qk_nope_head_dim + config.qk_rope_head_dim,
+                                config.v_head_dim)
+    matmul = open_runtime(runtime)
+    try:
+        attention = NpuAttention(matmul, shapes)
+    except BaseException:
+        matmul.close()
+        raise
+    log.info("prefill attention: NPU matmuls on %s (%s x %s, %d-row pieces, %d cores)",
+             matmul.name, shapes.scores, shapes.context, shapes.piece_rows, attention.cores)
+    return attention

@@ -28,7 +28,7 @@ from .mla_expanded import (
     ProjectedRows,
     expanded_attention,
 )
-from .mla_npu import NpuAttention, NpuRows
+from .mla_npu import NpuAttention, NpuPrefillChoice, NpuRows, open_npu_attention
 from .moe import ExpertBackend, NumpyExperts, route
 from .snapshot_arrays import SnapshotArrays
 from .stages import LayerOutput
@@ -126,6 +126,7 @@ class Model:
         verify: VerifyMode = "stamped",
         threads: int | None = None,
         latent_dtype: str = "float32",
+        npu_prefill: NpuPrefillChoice = "auto",
     ) -> Model:
         """Load a converted bundle (a path, or an opened ``Bundle``): stage graphs on
         RKNNLite (the board, or its ONNX-twin mock on a host; ``executor`` = auto |
@@ -134,8 +135,10 @@ class Model:
         (``verify``: stamped | full | size | none, see ``Bundle.verify``). ``threads``
         sizes every CPU pool (routed experts, CPU stage graphs) and pins them; see
         ``ling3_rknn.cpu_threads`` (None: one per big core). ``latent_dtype``: the MLA
-        latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``)."""
-        runtime_for(executor)  # a bad choice fails before any file is read
+        latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``).
+        ``npu_prefill``: prefill attention's matmuls on the NPU (``mla_npu``: auto = on a
+        board, on = also on the host stand-in, off)."""
+        runtime = runtime_for(executor)  # a bad choice fails before any file is read
         check_latent_dtype(latent_dtype)  # before any file is read, like the executor
         policy = apply_thread_policy(threads)
         if isinstance(path, Bundle):
@@ -145,10 +148,14 @@ class Model:
         else:
             bundle = Bundle.open(path, verify=verify)
         parts = load_bundle_parts(bundle, executor, policy.threads)
+        on_npu = bundle.manifest.target == "rk3588" and runtime != "onnx"
+        choice = npu_prefill if on_npu or npu_prefill != "auto" else "off"
+        attention = open_npu_attention(parts.config, choice,
+                                       runtime if runtime != "onnx" else None)
         return cls(parts.config, parts.stages, parts.experts, parts.cpu,
                    threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype,
                    prefill_chunk=max(parts.stages.chunk_sizes[-1], DEFAULT_PREFILL_CHUNK),
-                   npu_graphs=parts.npu_graphs)
+                   npu_graphs=parts.npu_graphs, npu_attention=attention)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, self.latent_dtype)
