@@ -350,11 +350,11 @@ def test_a_bundle_loads_with_prefill_attention_on_the_npu_when_asked(monkeypatch
     model = Model.from_bundle(bundle_dir(), verify="none", npu_prefill="on")
     attention = model.npu_attention
     assert attention is not None and attention.runtime.name == "stand-in"
-    assert model.prefill_chunk == attention.shapes.query_rows == 256
+    assert model.prefill_chunk == attention.shapes.query_rows == 1024
     rng = np.random.default_rng(5)
     ids = rng.integers(2, model.config.vocab_size, 300)
     state = model.new_state()
-    got = np.concatenate([model.forward(ids[:256], state), model.forward(ids[256:], state)])
+    got = np.concatenate([model.forward(ids[:200], state), model.forward(ids[200:], state)])
     assert attention.counters.runs > 0
     want = auto.forward(ids, auto.new_state())
     lp, lq = _log_softmax(want), _log_softmax(got)

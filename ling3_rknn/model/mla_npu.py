@@ -56,7 +56,11 @@ NpuPrefillChoice = Literal["auto", "on", "off"]
 NPU_PREFILL_CHOICES: tuple[NpuPrefillChoice, ...] = ("auto", "on", "off")
 
 PIECE_ROWS = 2048
-QUERY_ROWS = 256
+# The engine's prefill piece with the NPU on: the routed experts' int8 matmuls read each
+# expert's weights once per piece, so a piece of 1024 tokens (~64 per expert) reads them a
+# quarter as often as one of 256, where reading, not arithmetic, bounds them
+# (docs/performance.md, "Prefill budget"); attention's Q.K^T was measured at M = 2048.
+QUERY_ROWS = 1024
 # Rows are rewritten from a multiple of this: K^T's columns come in 16s, V's rows in 32s.
 ROW_ALIGN = 32
 _LOWEST = np.float32(np.finfo(np.float32).min)

@@ -178,6 +178,49 @@ def experts_share(chunk: int, rounds: int) -> dict[str, float]:
             "activations_ms_per_token": best(around, rounds) / chunk * 1e3}
 
 
+# Board rates the projection rests on (docs/performance.md "Prefill budget" cites each):
+STAGE_TOPS = 1.0  # w8a8 stage graphs, effective (RKLLM's dense models: 0.9-1.1)
+STAGE_MACS_PER_TOKEN = 464e6
+GRAPH_CALLS_PER_CHUNK = 49
+GRAPH_CALL_S = 300e-6  # assumed; `ling3-rknn bench`'s empty_graph.median_us checks it
+QK_FLOPS, PV_FLOPS = 900e9, 574e9  # fp16 per NPU core (P.V at K = 2048)
+RUN_S = 32.9e-6  # fixed cost of one rknn_matmul_run
+INT8_OPS = 1.3e12  # int8 per core at good shapes (0.55-1.9 TOPS by shape and layout)
+NPU_READ_BPS = 11.1e9  # per core at M = 1
+NPU_CORES = 3
+EXPERT_BUCKET = 256  # the largest M an expert matmul context takes
+
+
+def npu_budget(tokens: int, chunk: int, piece: int = 2048) -> dict[str, float]:
+    """Seconds of NPU time per phase for a prompt of ``tokens`` in pieces of ``chunk``, from
+    the rates above: attention's matmuls per head and piece (pieces run whole, chunks padded
+    to ``chunk`` query rows), the experts' matmuls per (expert, projection) with M the
+    expert's share of a chunk (routing spread evenly), each at the slower of its arithmetic
+    and reading its weights, plus every run's fixed cost; cores in parallel."""
+    chunks = -(-tokens // chunk)
+    qk, dv = DN + DR, DV
+    attn_s = runs = 0.0
+    for c in range(chunks):
+        pieces = -(-min(tokens, (c + 1) * chunk) // piece)
+        per_head = pieces * 2 * chunk * piece * (qk / QK_FLOPS + dv / PV_FLOPS)
+        attn_s += per_head * HEADS * MLA_LAYERS
+        runs += pieces * 2 * HEADS * MLA_LAYERS
+    busiest = -(-HEADS // NPU_CORES) / HEADS  # heads are split per core
+    attention = attn_s * busiest + runs * RUN_S / NPU_CORES
+    m = max(1, round(chunk * TOP_K / EXPERTS))  # tokens per expert per chunk
+    expert_s = 0.0
+    for k, n in ((HIDDEN, 2 * MOE_I), (MOE_I, HIDDEN)):
+        calls = -(-m // EXPERT_BUCKET)
+        compute = 2 * m * k * n / INT8_OPS
+        weights = calls * k * n / NPU_READ_BPS
+        expert_s += max(compute, weights) + calls * RUN_S
+    experts = expert_s * EXPERTS * MOE_LAYERS * chunks / NPU_CORES
+    stages = 2 * STAGE_MACS_PER_TOKEN * tokens / (STAGE_TOPS * 1e12)
+    calls = chunks * GRAPH_CALLS_PER_CHUNK * GRAPH_CALL_S
+    return {"stage graphs": stages, "graph calls": calls, "attention matmuls": attention,
+            "expert matmuls": experts}
+
+
 def sgemm_gflops(rounds: int, n: int = 1024) -> float:
     a = np.random.default_rng(4).standard_normal((n, n)).astype(np.float32)
     return 2 * n**3 / best(lambda: a @ a, rounds) / 1e9
@@ -223,6 +266,19 @@ def main() -> None:
     whole = total * scale * OPENCODE_TOKENS / 1e3
     print(f"\nwhole request on 4 x A76, CPU residue only: {whole:.1f} s (the NPU's own time "
           "and the overlap are docs/performance.md's)")
+    print(f"\nNPU time projected from the cited rates (docs/performance.md), "
+          f"{OPENCODE_TOKENS} tokens:")
+    npu_by_chunk = {}
+    for chunk in sorted({256, 512, 1024, args.chunk}):
+        npu = npu_budget(OPENCODE_TOKENS, chunk)
+        npu_by_chunk[chunk] = npu
+        print(f"  chunk {chunk:5}: " + ", ".join(f"{k} {v:.1f} s" for k, v in npu.items())
+              + f"; total {sum(npu.values()):.1f} s")
+    npu_total = sum(npu_by_chunk[args.chunk].values())
+    cpu_total = whole
+    print(f"\nchunk {args.chunk}: NPU {npu_total:.1f} s, CPU residue {cpu_total:.1f} s: "
+          f"in turn {npu_total + cpu_total:.1f} s, fully overlapped "
+          f"{max(npu_total, cpu_total):.1f} s")
     print("\nattention's CPU share per depth (ms per token and layer, one thread):")
     for d in depths:
         a = attn[str(d)]
@@ -232,7 +288,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"sgemm_gflops": peak, "attention": attn, "kda_ms_per_token_layer": kda,
                        "experts": experts, "parts_ms_per_token": parts,
-                       "a76_scale": scale, "chunk": args.chunk}, f, indent=1)
+                       "a76_scale": scale, "chunk": args.chunk,
+                       "npu_seconds": {str(k): v for k, v in npu_by_chunk.items()},
+                       "cpu_residue_seconds": cpu_total}, f, indent=1)
 
 
 if __name__ == "__main__":
