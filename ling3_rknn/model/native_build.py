@@ -39,7 +39,8 @@ from ling3_rknn.paths import KERNEL_DIR_ENV, kernel_directory
 from .native_abi import HEADER, abi
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("mla_attention.c", "kda_decode.c", "kda_chunk.c", "attn_softmax.c", "native_info.c")
+SOURCES = ("mla_attention.c", "kda_decode.c", "kda_chunk.c", "attn_softmax.c", "moe_int8.c",
+           "native_info.c")
 HEADERS = ("native_vec.h", HEADER.name)
 LIBRARY = "ling3-native.so"
 MANIFEST = "ling3-native.json"
