@@ -501,3 +501,30 @@ def test_build_kernels_builds_the_stand_in(tmp_path):
                               np.arange(32)[None])
     finally:
         rt.close()
+
+
+# --- the bench's microbenchmarks --------------------------------------------------------
+
+def test_bench_times_the_prefill_plans_shapes(monkeypatch):
+    from ling3_rknn.bench import npu_matmul
+
+    shapes = npu_matmul.plan_shapes()
+    assert shapes["attn_qk"] == MatmulShape(256, 192, 2048, "fp16")
+    assert shapes["attn_pv"] == MatmulShape(256, 2048, 128, "fp16")
+    for m in (16, 32, 64, 128, 256):
+        assert shapes[f"expert_gate_up_m{m}"] == MatmulShape(m, 1536, 1024, "int8")
+        assert shapes[f"expert_down_m{m}"] == MatmulShape(m, 512, 1536, "int8")
+    for shape in shapes.values():
+        check_shape(shape)
+    monkeypatch.setenv(RUNTIME_ENV, "mock")
+    monkeypatch.setattr(npu_matmul, "plan_shapes", lambda: {
+        "fixed": MatmulShape(1, 32, 32, "int8"), "bad": MatmulShape(1, 48, 32, "int8")})
+    figures = npu_matmul.measure(runs=2)
+    assert figures["runtime"] == "stand-in"
+    assert figures["shapes"]["fixed"]["us_per_run"] > 0
+    assert "multiple of 32" in figures["shapes"]["bad"]["error"]
+    text = "\n".join(npu_matmul.summary_lines(figures))
+    assert "host stand-in: not NPU figures" in text and "bad" in text and "failed" in text
+    monkeypatch.setenv(RUNTIME_ENV, "gpu")
+    assert npu_matmul.measure(runs=2)["runtime"] is None
+    assert "not measured" in npu_matmul.summary_lines(npu_matmul.measure(runs=2))[0]
