@@ -18,6 +18,7 @@ import pytest
 from ling3_rknn import cli
 from ling3_rknn.doctor import host
 from ling3_rknn.model import native, native_abi, native_build
+from ling3_rknn.npu import matmul_standin_build
 
 needs_cc = pytest.mark.skipif(native_build.compiler() is None,
                               reason="no C compiler on this machine")
@@ -71,7 +72,9 @@ def test_build_writes_a_readable_library_and_its_manifest(tmp_path):
     finally:
         os.umask(old)
     files = sorted(p.name for p in (tmp_path / "k").iterdir())
-    assert files == [native_build.MANIFEST, native_build.LIBRARY]  # no temporary left
+    # no temporary left; the NPU matmul stand-in beside the kernels (test_npu_matmul.py)
+    assert files == sorted([native_build.MANIFEST, native_build.LIBRARY,
+                            matmul_standin_build.MANIFEST, matmul_standin_build.LIBRARY])
     for name in files:
         assert (tmp_path / "k" / name).stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "k").stat().st_mode & 0o755 == 0o755

@@ -51,7 +51,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return _fail(str(exc))
 
     plan = measure.make_plan(args.quick)
-    progress = Progress(total=5 + len(plan.sizes))
+    progress = Progress(total=6 + len(plan.sizes))
     progress.step(f"load {bundle.root.name}")
     t0 = time.perf_counter()
     try:

@@ -110,7 +110,7 @@ def _view(mem: abi.TensorMem, dtype: np.dtype, count: int) -> np.ndarray:
         raise MatmulError(f"runtime memory of {mem.size} bytes cannot hold {count} "
                           f"{dtype} values")
     raw = (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(mem.virt_addr)
-    return np.frombuffer(raw, dtype=dtype)
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=dtype)
 
 
 class NativeB:
@@ -118,7 +118,7 @@ class NativeB:
 
     def __init__(self, context: RknnMatmulContext, mem: ctypes._Pointer) -> None:
         self.context = context
-        self._mem = mem
+        self._mem: ctypes._Pointer | None = mem
         self.nbytes = int(mem.contents.size)
         self.values = _view(mem.contents, context.shape.a_dtype,
                             context.shape.k * context.shape.n)
@@ -163,19 +163,20 @@ class RknnMatmulContext:
                               iommu_domain_id=domain)
         self._call("rknn_matmul_create", self._lib.rknn_matmul_create(
             ctypes.byref(self._handle), ctypes.byref(info), ctypes.byref(self.io)))
-        self._a_mem = self._c_mem = None
+        self._a_mem: ctypes._Pointer | None = None
+        self._c_mem: ctypes._Pointer | None = None
         try:
             self._call("rknn_matmul_set_core_mask",
                        self._lib.rknn_matmul_set_core_mask(self._handle, _CORE_MASKS[core]))
             self._check_attrs()
-            self._a_mem = self._create_mem(self.io.A.size)
-            self._c_mem = self._create_mem(self.io.C.size)
-            self._a = _view(self._a_mem.contents, shape.a_dtype,
+            self._a_mem = a_mem = self._create_mem(self.io.A.size)
+            self._c_mem = c_mem = self._create_mem(self.io.C.size)
+            self._a = _view(a_mem.contents, shape.a_dtype,
                             shape.m * shape.k).reshape(shape.m, shape.k)
-            self._c = _view(self._c_mem.contents, shape.c_dtype,
+            self._c = _view(c_mem.contents, shape.c_dtype,
                             shape.m * shape.n).reshape(shape.m, shape.n)
-            self._set_io(self._a_mem, self.io.A)
-            self._set_io(self._c_mem, self.io.C)
+            self._set_io(a_mem, self.io.A)
+            self._set_io(c_mem, self.io.C)
         except BaseException:
             self._destroy()
             raise
@@ -221,12 +222,14 @@ class RknnMatmulContext:
         if self.closed:
             raise MatmulError(f"matmul context {self.shape} (core {self.core}) is closed")
 
-    def _check_b(self, b: NativeB) -> None:
+    def _check_b(self, b: NativeB) -> ctypes._Pointer:
+        """``b``'s memory, if ``b`` is a live B of this open context."""
         self._check_open()
         if not isinstance(b, NativeB) or b.context is not self:
             raise MatmulError(f"{self.shape}: this B belongs to another matmul context")
-        if b.freed:
+        if b._mem is None:
             raise MatmulError(f"{self.shape}: this B was freed")
+        return b._mem
 
     def _operand(self, what: str, x: np.ndarray) -> np.ndarray:
         """fp16 takes any float array (rounded to fp16 on the copy in); int8 takes int8
@@ -267,16 +270,25 @@ class RknnMatmulContext:
             raise MatmulError(f"{s}: out must be a C-contiguous {s.c_dtype} [{rows}, {s.n}], "
                               f"got {out.dtype} {out.shape}")
         with self._lock:
-            self._check_b(b)
+            mem = self._check_b(b)
             np.copyto(self._a[:rows], a, casting="same_kind")
             if self._current_b is not b:
-                self._set_io(b._mem, self.io.B)
+                self._set_io(mem, self.io.B)
                 self._current_b = b
             self._call("rknn_matmul_run", self._lib.rknn_matmul_run(self._handle))
             if out is None:
                 return self._c[:rows].copy()
             np.copyto(out, self._c[:rows])
             return out
+
+    def rerun(self) -> None:
+        """The library call alone, on the A and B of the last ``run`` (for benchmarks: the
+        NPU's time without the copies in and out)."""
+        with self._lock:
+            self._check_open()
+            if self._current_b is None or self._current_b.freed:
+                raise MatmulError(f"{self.shape}: rerun needs a run first")
+            self._call("rknn_matmul_run", self._lib.rknn_matmul_run(self._handle))
 
     def _free_b(self, b: NativeB) -> None:
         with self._lock:
