@@ -350,7 +350,9 @@ def test_a_bundle_loads_with_prefill_attention_on_the_npu_when_asked(monkeypatch
     model = Model.from_bundle(bundle_dir(), verify="none", npu_prefill="on")
     attention = model.npu_attention
     assert attention is not None and attention.runtime.name == "stand-in"
-    assert model.prefill_chunk == attention.shapes.query_rows == 1024
+    # the engine feeds two pieces per call, evaluated in flight (pipeline.py)
+    assert model.pipeline_piece == attention.shapes.query_rows == 1024
+    assert model.prefill_chunk == 2048
     rng = np.random.default_rng(5)
     ids = rng.integers(2, model.config.vocab_size, 300)
     state = model.new_state()

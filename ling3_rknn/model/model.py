@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from .mla_expanded import (
 )
 from .mla_npu import NpuAttention, NpuPrefillChoice, NpuRows, open_npu_attention
 from .moe import ExpertBackend, NumpyExperts, route
+from .pipeline import run_wavefront
 from .snapshot_arrays import SnapshotArrays
 from .stages import LayerOutput
 from .state import (
@@ -83,11 +84,16 @@ class Model:
         # prefill attention's matmuls on the NPU (mla_npu.py); None: the CPU kernel
         self.npu_attention = npu_attention
         if npu_attention is not None:
-            self.prefill_chunk = max(prefill_chunk, npu_attention.shapes.query_rows)
+            self.pipeline_piece = npu_attention.shapes.query_rows
+            self.prefill_chunk = max(prefill_chunk, 2 * self.pipeline_piece)
         self._scale = float(config.qk_head_dim) ** -0.5
         self._layout = StateLayout.from_config(config, latent_dtype)
         self.latent_dtype = latent_dtype  # the MLA latent cache's dtype (state.LATENT_DTYPES)
         self._pool: ThreadPoolExecutor | None = None  # glue split (_split_pool), made on use
+        self._pipe: ThreadPoolExecutor | None = None  # two prefill pieces in flight
+        # a longer forward runs in pieces of this many tokens, two in flight (pipeline.py);
+        # 0: one piece. On with the NPU: each piece's CPU work fills the other's NPU time.
+        self.pipeline_piece = 0
         # bytes one sequence's expanded-prefill rows may take (mla_expanded.py); 0: never
         self.prefill_scratch_bytes = PREFILL_SCRATCH_BYTES
         # share a decode token's KDA heads over the glue threads (off: measured slower here)
@@ -185,23 +191,60 @@ class Model:
                 f"{self.config.max_position_embeddings}"
             )
         state.broken = True  # cleared only when every layer has been advanced
+        expanded = self._expanded_prefill(state, len(ids))
+        piece = self.pipeline_piece
+        if piece and len(ids) > piece:
+            pieces = self._pipelined(ids, state, expanded, piece, last_only)
+        else:
+            pieces = [self._layers(ids, state, state.length, expanded)]
+        state.length = end
+        state.broken = False
+        if last_only:
+            pieces = [pieces[-1][-1:]]
+        # the head per piece, as a call per piece would (the same bits)
+        logits = [self.stages.final(x) for x in pieces]
+        return np.ascontiguousarray(logits[0] if len(logits) == 1 else np.concatenate(logits),
+                                    dtype=np.float32)
+
+    def _layers(self, ids: np.ndarray, state: SequenceState, start: int, expanded: bool,
+                before: Callable[[int], None] | None = None,
+                after: Callable[[int], None] | None = None) -> np.ndarray:
+        """``ids`` at positions ``start``.. through every layer: their last hidden states.
+        ``before`` / ``after`` bracket each layer (the pipeline's ordering)."""
         x = self.stages.embed(ids)
         # One set of RoPE angles per call, shared by every MLA layer (same positions).
-        rope = rope_angles(
-            np.arange(state.length, end), self.config.qk_rope_head_dim, self.config.rope_theta
-        )
-        expanded = self._expanded_prefill(state, len(ids))
+        rope = rope_angles(np.arange(start, start + len(ids)), self.config.qk_rope_head_dim,
+                           self.config.rope_theta)
         for i, kind in enumerate(self.config.layer_kinds):
+            if before is not None:
+                before(i)
             if kind == "kda":
                 out = self._kda_layer(i, x, state)
             else:
                 out = self._mla_layer(i, x, state, rope, expanded)
             x = out.hidden if out.moe_input is None else self._moe(i, out)
-        state.length = end
-        state.broken = False
-        if last_only:
-            x = x[-1:]
-        return np.ascontiguousarray(self.stages.final(x), dtype=np.float32)
+            if after is not None:
+                after(i)
+        return x
+
+    def _pipelined(self, ids: np.ndarray, state: SequenceState, expanded: bool, piece: int,
+                   last_only: bool) -> list[np.ndarray]:
+        """``_layers`` over pieces of ``piece`` tokens, two in flight (pipeline.py): each
+        piece's last hidden states (only the last piece's with ``last_only``)."""
+        starts = list(range(0, len(ids), piece))
+        self._split_pool()  # made here, not raced for by the two pieces
+        if self._pipe is None:
+            self._pipe = ThreadPoolExecutor(2, thread_name_prefix="ling3-pipe")
+
+        def run(p: int, before: Callable[[int], None], after: Callable[[int], None]
+                ) -> np.ndarray:
+            a = starts[p]
+            part = ids[a:a + piece]
+            x = self._layers(part, state, state.length + a, expanded, before, after)
+            return x[-1:] if last_only and p < len(starts) - 1 else x
+
+        results = run_wavefront(len(starts), self.config.num_hidden_layers, run, self._pipe)
+        return results[-1:] if last_only else results
 
     # ----------------------------------------------------------------- layers
     def _kda_layer(self, i: int, x: np.ndarray, state: SequenceState) -> LayerOutput:
