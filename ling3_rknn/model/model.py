@@ -83,6 +83,9 @@ class Model:
         self.prefill_chunk = prefill_chunk
         # prefill attention's matmuls on the NPU (mla_npu.py); None: the CPU kernel
         self.npu_attention = npu_attention
+        # a longer forward runs in pieces of this many tokens, two in flight (pipeline.py);
+        # 0: one piece. On with the NPU: each piece's CPU work fills the other's NPU time.
+        self.pipeline_piece = 0
         if npu_attention is not None:
             self.pipeline_piece = npu_attention.shapes.query_rows
             self.prefill_chunk = max(prefill_chunk, 2 * self.pipeline_piece)
@@ -91,9 +94,6 @@ class Model:
         self.latent_dtype = latent_dtype  # the MLA latent cache's dtype (state.LATENT_DTYPES)
         self._pool: ThreadPoolExecutor | None = None  # glue split (_split_pool), made on use
         self._pipe: ThreadPoolExecutor | None = None  # two prefill pieces in flight
-        # a longer forward runs in pieces of this many tokens, two in flight (pipeline.py);
-        # 0: one piece. On with the NPU: each piece's CPU work fills the other's NPU time.
-        self.pipeline_piece = 0
         # bytes one sequence's expanded-prefill rows may take (mla_expanded.py); 0: never
         self.prefill_scratch_bytes = PREFILL_SCRATCH_BYTES
         # share a decode token's KDA heads over the glue threads (off: measured slower here)
