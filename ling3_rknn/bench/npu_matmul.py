@@ -4,9 +4,9 @@ The prefill budget (docs/performance.md, issue 38's plan) rests on cited board r
 few matmul shapes; this times those shapes through the product's own binding
 (``npu/matmul.py``), so the first board run says which assumption failed:
 
-* attention, fp16, per 256-token piece and head (Ling-3.0-tiny: qk head 192 = 128 nope
-  + 64 rope, v head 128): Q.K^T m=256 k=192 n=2048 and P.V m=256 k=2048 n=128 (P.V in
-  2048-row pieces);
+* attention, fp16, per prefill piece (1024 query rows) and head (Ling-3.0-tiny: qk head
+  192 = 128 nope + 64 rope, v head 128): Q.K^T m=1024 k=192 n=2048 and P.V m=1024 k=2048
+  n=128 (P.V in 2048-row pieces), exactly ``model/mla_npu.py``'s contexts;
 * routed experts, int8, m tokens of one expert in {16, 32, 64, 128, 256}: gate+up
   k=1536 n=1024 (both projections in one B) and down k=512 n=1536;
 * the fixed cost: int8 1x32x32, next to nothing to compute.
@@ -26,17 +26,20 @@ from typing import Any
 
 import numpy as np
 
+from ling3_rknn.model.mla_npu import NpuAttentionShapes
 from ling3_rknn.npu.matmul import open_runtime
 from ling3_rknn.npu.matmul_plan import MatmulError, MatmulShape
 
 EXPERT_ROWS = (16, 32, 64, 128, 256)
+# Ling-3.0-tiny's MLA heads as the prefill attention runs them on the NPU
+ATTENTION = NpuAttentionShapes(heads=16, qk=192, dv=128)
 
 
 def plan_shapes() -> dict[str, MatmulShape]:
     """The prefill plan's matmuls by figure name (the report's keys)."""
     shapes = {
-        "attn_qk": MatmulShape(256, 192, 2048, "fp16"),
-        "attn_pv": MatmulShape(256, 2048, 128, "fp16"),
+        "attn_qk": ATTENTION.scores,
+        "attn_pv": ATTENTION.context,
     }
     for m in EXPERT_ROWS:
         shapes[f"expert_gate_up_m{m}"] = MatmulShape(m, 1536, 1024, "int8")
