@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 # docs/performance.md): the install's job, never the server's. Rebuilt when a C source
 # changes; without a C compiler the glue runs on numpy and this says so.
 KERNELS := $(VENV)/lib/ling3-rknn
-$(KERNELS)/ling3-native.json: $(STAMP) $(wildcard ling3_rknn/model/*.c ling3_rknn/model/*.h)
+$(KERNELS)/ling3-native.json: $(STAMP) $(wildcard ling3_rknn/model/*.c ling3_rknn/model/*.h \
+		ling3_rknn/npu/*.c ling3_rknn/npu/*.h)
 	$(VENV)/bin/ling3-rknn build-kernels --dir $(KERNELS) || \
 		echo "decode kernels not built: the decode glue runs on numpy (correct, slower)"
 

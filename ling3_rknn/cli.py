@@ -169,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
              "instead of 453 MB) for a rounding of 2^-11 per cached value (default float32)",
     )
     serve.add_argument(
+        "--npu-prefill", choices=["auto", "on", "off"], default="auto",
+        help="a prompt's MLA attention as float16 matmuls on the NPU (librknnrt's matmul "
+             "API; docs/model.md 5.5): auto = on a board, on = also off a board (the host "
+             "stand-in: for tests, slower than the CPU kernel), off = on the CPU "
+             "(default auto)",
+    )
+    serve.add_argument(
         "--prefill-scratch", type=parse_size_or_auto, metavar="N",
         help="memory a prompt's expanded MLA rows may take while it is evaluated (3.4x "
              "fewer attention FLOPs; 2G covers a 16.6K-token prompt of Ling-3.0-tiny; "
@@ -244,6 +251,8 @@ def _add_bench(commands: Any) -> None:
                        help="CPU threads per compute pool (as serve --threads)")
     bench.add_argument("--quick", action="store_true",
                        help="128 and 466 prompt tokens only (a host run in well under a minute)")
+    bench.add_argument("--npu-prefill", choices=["auto", "on", "off"], default="auto",
+                       help="prefill attention on the NPU (as serve --npu-prefill)")
 
 
 def _add_warm(commands: Any) -> None:
@@ -318,6 +327,7 @@ def _engine_options(args: argparse.Namespace) -> LoadOptions:
         max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens,  # 0: no cap but the context
         prefill_scratch_bytes=args.prefill_scratch,
+        npu_prefill=args.npu_prefill,
     )
 
 

@@ -43,6 +43,7 @@ class LoadOptions:
     default_max_tokens: int | None = None  # 0: no cap but the context
     grammar_cache_bytes: int | None = None
     prefill_scratch_bytes: int | None = None  # the model's (``Model``), not the engine's
+    npu_prefill: str = "auto"  # prefill attention on the NPU: auto | on | off (``mla_npu``)
 
 
 def engine_options(
@@ -216,7 +217,8 @@ def engine_from_bundle(bundle_dir: Path, options: LoadOptions, *,
     identity = hashlib.sha256((bundle.root / "manifest.json").read_bytes()).hexdigest()
     return make_engine(
         # opened and verified just above
-        Model.from_bundle(bundle, verify="none", latent_dtype=latent_dtype),
+        Model.from_bundle(bundle, verify="none", latent_dtype=latent_dtype,
+                          npu_prefill=options.npu_prefill),  # type: ignore[arg-type]
         tokenizer,
         options,
         generation_config=bundle.manifest.generation_config,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ling3_rknn import cli
+from ling3_rknn.bench import npu_matmul
 from ling3_rknn.npu.executors import RUNTIME_ENV
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -49,6 +50,12 @@ def test_quick_report_has_sane_figures(quick_run):
     assert report["npu_calls_per_token"]["decode"] >= 1
     assert report["rss_bytes"] > 0 and report["npu_resident_bytes"] > 0
     assert report["empty_graph"]["median_us"] > 0
+    matmuls = report["npu_matmul"]  # the prefill plan's shapes, on the host stand-in
+    assert matmuls["runtime"] == "stand-in" and matmuls["runs"] == 5
+    assert set(matmuls["shapes"]) == set(npu_matmul.plan_shapes())
+    for name, figure in matmuls["shapes"].items():
+        assert figure["shape"] == str(npu_matmul.plan_shapes()[name])
+        assert figure["us_per_run"] > 0 and figure["gops"] > 0 and figure["npu_gops"] > 0
     for key in ("ms_per_token", "prefill_ms_per_token"):  # decode's and prefill's split
         for split in report[key].values():
             assert {"npu_stages", "experts", "cpu_glue"} <= set(split)

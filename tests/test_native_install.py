@@ -18,6 +18,7 @@ import pytest
 from ling3_rknn import cli
 from ling3_rknn.doctor import host
 from ling3_rknn.model import native, native_abi, native_build
+from ling3_rknn.npu import matmul_standin_build
 
 needs_cc = pytest.mark.skipif(native_build.compiler() is None,
                               reason="no C compiler on this machine")
@@ -71,7 +72,9 @@ def test_build_writes_a_readable_library_and_its_manifest(tmp_path):
     finally:
         os.umask(old)
     files = sorted(p.name for p in (tmp_path / "k").iterdir())
-    assert files == [native_build.MANIFEST, native_build.LIBRARY]  # no temporary left
+    # no temporary left; the NPU matmul stand-in beside the kernels (test_npu_matmul.py)
+    assert files == sorted([native_build.MANIFEST, native_build.LIBRARY,
+                            matmul_standin_build.MANIFEST, matmul_standin_build.LIBRARY])
     for name in files:
         assert (tmp_path / "k" / name).stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "k").stat().st_mode & 0o755 == 0o755
@@ -224,7 +227,9 @@ def test_doctor_gives_the_build_command(fresh_loader, monkeypatch):
 def test_the_header_declares_every_kernel_with_its_types():
     abi = native_abi.abi()
     assert set(abi.functions) == {"ling3_native_abi", "ling3_native_isa", "mla_decode_attend",
-                                  "mla_prefill_attend", "kda_decode_heads", "kda_chunk_heads"}
+                                  "mla_prefill_attend", "kda_decode_heads", "kda_chunk_heads",
+                                  "attn_softmax_piece", "moe_quantize_rows",
+                                  "moe_swiglu_quantize", "moe_scatter_add"}
     assert abi.version == native.ABI
     kda = abi.functions["kda_decode_heads"]
     assert len(kda.params) == 20 and kda.restype is ctypes.c_int
@@ -237,6 +242,9 @@ def test_the_header_declares_every_kernel_with_its_types():
     assert abi.functions["ling3_native_abi"].params == ()
     chunk = abi.functions["kda_chunk_heads"]
     assert chunk.params[5] == ("int", "t_len") and chunk.argtypes[9] is ctypes.c_void_p
+    softmax = abi.functions["attn_softmax_piece"]
+    assert softmax.params[3] == ("int32_t *", "limit") and softmax.argtypes[1] is ctypes.c_int
+    assert abi.functions["moe_scatter_add"].params[6] == ("int64_t *", "rows")
     assert (native._LANES, native._MLA_GROUP, native._TILE_BLOCK) == (16, 64, 4)
     assert (native._KDA_SUB, native._KDA_MAX_CHUNK, native._KDA_D_MULTIPLE) == (16, 128, 16)
 

@@ -173,8 +173,10 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     }
 
 
-def load_model(hf: Path | None, bundle: Path | None) -> tuple[Any, Any, dict | None]:
-    """(model, tokenizer, generation config) as ``ling3-rknn serve`` loads them."""
+def load_model(hf: Path | None, bundle: Path | None, npu_prefill: str = "auto"
+               ) -> tuple[Any, Any, dict | None]:
+    """(model, tokenizer, generation config) as ``ling3-rknn serve`` loads them
+    (``npu_prefill``: serve's ``--npu-prefill``)."""
     from ling3_rknn.bundle import Bundle
     from ling3_rknn.loading import read_generation_config
     from ling3_rknn.model import Model
@@ -185,7 +187,7 @@ def load_model(hf: Path | None, bundle: Path | None) -> tuple[Any, Any, dict | N
                 read_generation_config(hf / "generation_config.json"))
     assert bundle is not None
     opened = Bundle.open(bundle)
-    return (Model.from_bundle(opened, verify="none"),
+    return (Model.from_bundle(opened, verify="none", npu_prefill=npu_prefill),
             Tokenizer.from_file(opened.path(opened.manifest.tokenizer)),
             opened.manifest.generation_config)
 
@@ -271,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(default), or free as before it (docs/serving.md 9)")
     ap.add_argument("--json", type=Path, help="write the figures and every answer here")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--npu-prefill", choices=["auto", "on", "off"], default="auto",
+                    help="a bundle's prefill attention on the NPU (serve --npu-prefill; on "
+                         "a host, on = the librknnrt stand-in)")
     args = ap.parse_args(argv)
     if args.write_cases:
         cases = [asdict(c) for c in make_cases()]
@@ -278,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from ling3_rknn.loading import LoadOptions, make_engine
 
-    model, tok, generation_config = load_model(args.hf, args.bundle)
+    model, tok, generation_config = load_model(args.hf, args.bundle, args.npu_prefill)
     report: dict[str, Any] = {"source": str(args.hf or args.bundle), "wordings": args.wordings,
                               "calls": args.calls,
-                              "stages": "simulator" if args.simulate else "as loaded"}
+                              "stages": "simulator" if args.simulate else "as loaded",
+                              "npu_prefill": args.npu_prefill}
     with contextlib.ExitStack() as stack:
         if args.simulate:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ling3-sim-")))

@@ -28,13 +28,14 @@ def _fail(message: str) -> int:
 
 def _load_engine(args: argparse.Namespace) -> Any:
     """The engine as ``serve`` builds it (the demo when no ``--bundle``)."""
+    from ling3_rknn.loading import LoadOptions, engine_from_bundle
+
+    options = LoadOptions(npu_prefill=getattr(args, "npu_prefill", "auto"))
     if args.bundle is None:
         from ling3_rknn.demo import load_demo_engine
 
-        return load_demo_engine()
-    from ling3_rknn.loading import LoadOptions, engine_from_bundle
-
-    return engine_from_bundle(args.bundle, LoadOptions())
+        return load_demo_engine(options)
+    return engine_from_bundle(args.bundle, options)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -50,7 +51,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return _fail(str(exc))
 
     plan = measure.make_plan(args.quick)
-    progress = Progress(total=5 + len(plan.sizes))
+    progress = Progress(total=6 + len(plan.sizes))
     progress.step(f"load {bundle.root.name}")
     t0 = time.perf_counter()
     try:

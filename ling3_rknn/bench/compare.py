@@ -14,8 +14,8 @@ from typing import Any
 # Figures, not identity: these subtrees are compared leaf by leaf.
 FIGURES = ("prefill_tok_s", "decode_tok_s", "ttft_s", "ms_per_token", "prefill_ms_per_token",
            "npu_calls_per_token",
-           "prefix_cache", "agent_first_request", "empty_graph", "rss_bytes", "rss_peak_bytes",
-           "npu_resident_bytes", "load_s")
+           "prefix_cache", "agent_first_request", "empty_graph", "npu_matmul", "rss_bytes",
+           "rss_peak_bytes", "npu_resident_bytes", "load_s")
 
 
 class CompareError(ValueError):

@@ -31,7 +31,7 @@ from ling3_rknn.chat import (
 from ling3_rknn.engine import Engine, GenerationRequest, SamplingParams
 from ling3_rknn.model.bundle_executors import open_stage
 
-from . import prompts
+from . import npu_matmul, prompts
 from .progress import Progress
 from .timers import ComponentTimers, Split
 
@@ -47,12 +47,13 @@ class Plan:
     decode_tokens: int
     empty_graph_calls: int
     agent_request_tokens: int
+    matmul_runs: int = 20
 
 
 def make_plan(quick: bool) -> Plan:
     if quick:
         return Plan(QUICK_SIZES, decode_tokens=32, empty_graph_calls=20,
-                    agent_request_tokens=QUICK_AGENT_TOKENS)
+                    agent_request_tokens=QUICK_AGENT_TOKENS, matmul_runs=5)
     return Plan(FULL_SIZES, decode_tokens=64, empty_graph_calls=100,
                 agent_request_tokens=prompts.OPENCODE_FIRST_REQUEST_TOKENS)
 
@@ -226,6 +227,8 @@ def measure(engine: Engine, bundle: Bundle, plan: Plan, progress: Progress
     empty = empty_graph_latency(bundle, plan.empty_graph_calls)
     figures = asyncio.run(_measure_engine(engine, plan, progress))
     figures["empty_graph"] = empty
+    progress.step("NPU matmuls at the prefill plan's shapes")
+    figures["npu_matmul"] = npu_matmul.measure(plan.matmul_runs)
     return figures
 
 

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .npu_matmul import summary_lines as matmul_lines
+
 SCHEMA = 1
 
 
@@ -48,6 +50,8 @@ def build_report(figures: dict[str, Any], *, executor: str, machine: dict[str, A
         "prefix_cache": figures["prefix_cache"],
         "agent_first_request": figures["agent_first_request"],
         "empty_graph": figures["empty_graph"],
+        # per prefill-plan shape: us_per_run, gops, npu_us_per_run, npu_gops (npu_matmul.py)
+        "npu_matmul": figures.get("npu_matmul"),
         "memory": memory,  # the prefix cache's and the prefill scratch's sizes, and from what
         "rss_bytes": rss[0],
         "rss_peak_bytes": rss[1],
@@ -93,5 +97,6 @@ def summary(report: dict[str, Any]) -> str:
         f"({empty['stage']}) {_fmt(empty['median_us'], 0)} us median",
         f"RSS {report['rss_bytes'] / 2**20:.0f} MiB (peak {report['rss_peak_bytes'] / 2**20:.0f}"
         f"), NPU-resident {report['npu_resident_bytes'] / 2**20:.1f} MiB",
+        *matmul_lines(report.get("npu_matmul")),
     ]
     return "\n".join(lines)

@@ -25,14 +25,24 @@ class Split:
     stages: float = 0.0
     experts: float = 0.0
     graph_calls: int = 0
+    # prefill attention on the NPU (mla_npu.py): its wall time, and inside it the matmul
+    # runs and the CPU's softmax, each summed over the NPU cores' threads
+    npu_attention: float = 0.0
+    attention_matmul: float = 0.0
+    attention_softmax: float = 0.0
 
     def per_token_ms(self) -> dict[str, float]:
         if not self.tokens:
             return {}
         n = self.tokens
-        glue = self.total - self.stages - self.experts
-        return {"forward": 1e3 * self.total / n, "npu_stages": 1e3 * self.stages / n,
-                "experts": 1e3 * self.experts / n, "cpu_glue": 1e3 * glue / n}
+        glue = self.total - self.stages - self.experts - self.npu_attention
+        out = {"forward": 1e3 * self.total / n, "npu_stages": 1e3 * self.stages / n,
+               "experts": 1e3 * self.experts / n, "cpu_glue": 1e3 * glue / n}
+        if self.npu_attention:
+            out.update(npu_attention=1e3 * self.npu_attention / n,
+                       npu_attention_matmul_busy=1e3 * self.attention_matmul / n,
+                       npu_attention_cpu_softmax=1e3 * self.attention_softmax / n)
+        return out
 
 
 @dataclass
@@ -62,6 +72,9 @@ class ComponentTimers:
         stages, forward = model.stages, model.forward
         model.stages = _TimedStages(stages, self._timed)
         model.experts = self._timed("experts", model.experts)
+        attention = getattr(model, "npu_attention", None)
+        if attention is not None:
+            attention.attend = self._timed_attention(attention)
 
         def timed_forward(token_ids: Any, state: Any, **kwargs: Any) -> Any:
             split = self.decode if len(token_ids) == 1 else self.prefill
@@ -78,6 +91,23 @@ class ComponentTimers:
                 self._current = None
 
         model.forward = timed_forward
+
+
+    def _timed_attention(self, attention: Any) -> Callable[..., Any]:
+        attend, counters = attention.attend, attention.counters
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            split = self._current
+            before = (counters.matmul_s, counters.softmax_s)
+            t0 = time.perf_counter()
+            try:
+                return attend(*args, **kwargs)
+            finally:
+                if split is not None:
+                    split.npu_attention += time.perf_counter() - t0
+                    split.attention_matmul += counters.matmul_s - before[0]
+                    split.attention_softmax += counters.softmax_s - before[1]
+        return timed
 
 
 class _TimedStages:

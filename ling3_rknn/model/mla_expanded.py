@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import Protocol
 
 import numpy as np
 
@@ -117,6 +118,57 @@ class ExpandedRows:
             del self._blocks[-(-length // BLOCK_ROWS):]
             self.length = length
 
+    def free(self) -> None:
+        self._blocks.clear()
+        self.length = 0
+
+
+class ProjectedRows(Protocol):
+    """One MLA layer's projected rows, wherever they live (CPU float32 blocks here, NPU
+    memory in ``mla_npu.NpuRows``). ``truncate`` may keep fewer rows than asked (never
+    more): ``length`` says how many, and the caller projects the rest again."""
+
+    bases: MlaBases
+    length: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def extend(self, latent_rows: np.ndarray) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def free(self) -> None: ...
+
+
+class RowStore(Protocol):
+    """Where a prefill's projected rows are kept and attended: the CPU kernel's float32
+    blocks (``CPU_ROWS``) or the NPU's matmul memory (``mla_npu.NpuAttention``)."""
+
+    def new_rows(self, bases: MlaBases, rope: int) -> ProjectedRows: ...
+
+    def row_bytes(self, bases: MlaBases, rope: int) -> int:
+        """Bytes one cached position takes in one layer."""
+
+    def ready(self) -> bool:
+        """Whether the expanded form can run on this store now."""
+
+
+class CpuRowStore:
+    """Float32 blocks attended by the compiled prefill kernel (``expanded_attention``)."""
+
+    def new_rows(self, bases: MlaBases, rope: int) -> ExpandedRows:
+        return ExpandedRows(bases, rope)
+
+    def row_bytes(self, bases: MlaBases, rope: int) -> int:
+        return bases.key.shape[0] * bases.row_width(rope) * 4  # float32
+
+    def ready(self) -> bool:
+        return native.available()
+
+
+CPU_ROWS = CpuRowStore()
+
 
 @dataclass
 class PrefillScratch:
@@ -124,12 +176,18 @@ class PrefillScratch:
     absorbed-form work spent since the rows were last bought or dropped (the rent paid before
     buying them, as in ski rental: never more than twice the better choice)."""
 
-    rows: dict[int, ExpandedRows] = field(default_factory=dict)
+    rows: dict[int, ProjectedRows] = field(default_factory=dict)
     absorbed_macs: float = 0.0
+    store: RowStore | None = None  # where ``rows`` live
 
     def clear(self) -> None:
-        self.rows.clear()
+        self._drop_rows()
         self.absorbed_macs = 0.0
+
+    def _drop_rows(self) -> None:
+        for rows in self.rows.values():
+            rows.free()
+        self.rows.clear()
 
     def release(self) -> None:
         """``clear``, handing the pages back to the system when they were many."""
@@ -153,23 +211,24 @@ class PrefillScratch:
         return sum(r.nbytes for r in self.rows.values())
 
     def choose(self, bases: dict[int, MlaBases], rope: int, length: int, t: int,
-               limit: int) -> bool:
+               limit: int, store: RowStore = CPU_ROWS) -> bool:
         """Whether this prefill call (``t`` tokens after ``length`` cached rows) runs the
         expanded form: when projecting the rows not yet projected costs no more than what
         the absorbed form has cost since they were last bought or dropped, plus this call,
         and the rows fit ``limit`` bytes. Counted per layer (every MLA layer has the same
-        shapes)."""
-        if not bases or t < 2 or not native.available():
+        shapes). ``store``: where the rows live (rows of another store are dropped)."""
+        if not bases or t < 2 or not store.ready():
             return False
         b = next(iter(bases.values()))
         h, r, dn = b.key.shape
         dv = b.value.shape[2]
         covered = min((rows.length for rows in self.rows.values()), default=0)
-        if (len(self.rows) != len(bases) or covered > length
+        if (len(self.rows) != len(bases) or covered > length or store is not self.store
                 or any(self.rows[i].bases is not bases.get(i) for i in self.rows)):
-            self.rows.clear()
+            self._drop_rows()
             covered = 0
-        row_bytes = h * b.row_width(rope) * 4 * len(bases)  # float32 rows
+        self.store = store
+        row_bytes = store.row_bytes(b, rope) * len(bases)
         if (length + t) * row_bytes > limit:
             self.release()
             return False
@@ -179,7 +238,8 @@ class PrefillScratch:
             self.absorbed_macs += absorbed
             return False
         for i, layer_bases in bases.items():
-            self.rows.setdefault(i, ExpandedRows(layer_bases, rope))
+            if i not in self.rows:
+                self.rows[i] = store.new_rows(layer_bases, rope)
         self.absorbed_macs = 0.0  # the rent bought these rows; later rows start a new one
         return True
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 from ..bundle import Bundle, VerifyMode
 from ..config import ModelConfig
 from ..cpu_threads import apply_thread_policy
+from ..npu.matmul_plan import MatmulError
 from . import native
 from .backend import NumpyStages, StageBackend
 from .bundle_loader import ExecutorChoice, load_bundle_parts, runtime_for
@@ -19,8 +21,16 @@ from .checkpoint import Checkpoint
 from .cpu_weights import CpuWeights
 from .kda import kda_core, kda_decode, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
-from .mla_expanded import PREFILL_SCRATCH_BYTES, expanded_attention
+from .mla_expanded import (
+    CPU_ROWS,
+    PREFILL_SCRATCH_BYTES,
+    ExpandedRows,
+    ProjectedRows,
+    expanded_attention,
+)
+from .mla_npu import NpuAttention, NpuPrefillChoice, NpuRows, open_npu_attention
 from .moe import ExpertBackend, NumpyExperts, route
+from .pipeline import run_wavefront
 from .snapshot_arrays import SnapshotArrays
 from .stages import LayerOutput
 from .state import (
@@ -36,6 +46,8 @@ from .weights import CheckpointWeights
 # (``Model.kda_decode_split``; slower on the host, to be measured on the board:
 # docs/performance.md, "KDA step").
 KDA_DECODE_SPLIT_ENV = "LING3_RKNN_KDA_DECODE_SPLIT"
+
+log = logging.getLogger(__name__)
 
 
 # Tokens per prefill forward when the stages take any length (numpy) or only small graphs.
@@ -58,6 +70,7 @@ class Model:
         latent_dtype: str = "float32",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         npu_graphs: bool = False,
+        npu_attention: NpuAttention | None = None,
     ) -> None:
         self.config = config
         self.bundle = bundle  # the bundle it was loaded from (``from_bundle``), else None
@@ -68,10 +81,19 @@ class Model:
         self.threads = threads
         # tokens per prefill forward the engine should feed: a bundle's largest graph shape
         self.prefill_chunk = prefill_chunk
+        # prefill attention's matmuls on the NPU (mla_npu.py); None: the CPU kernel
+        self.npu_attention = npu_attention
+        # a longer forward runs in pieces of this many tokens, two in flight (pipeline.py);
+        # 0: one piece. On with the NPU: each piece's CPU work fills the other's NPU time.
+        self.pipeline_piece = 0
+        if npu_attention is not None:
+            self.pipeline_piece = npu_attention.shapes.query_rows
+            self.prefill_chunk = max(prefill_chunk, 2 * self.pipeline_piece)
         self._scale = float(config.qk_head_dim) ** -0.5
         self._layout = StateLayout.from_config(config, latent_dtype)
         self.latent_dtype = latent_dtype  # the MLA latent cache's dtype (state.LATENT_DTYPES)
         self._pool: ThreadPoolExecutor | None = None  # glue split (_split_pool), made on use
+        self._pipe: ThreadPoolExecutor | None = None  # two prefill pieces in flight
         # bytes one sequence's expanded-prefill rows may take (mla_expanded.py); 0: never
         self.prefill_scratch_bytes = PREFILL_SCRATCH_BYTES
         # share a decode token's KDA heads over the glue threads (off: measured slower here)
@@ -110,6 +132,7 @@ class Model:
         verify: VerifyMode = "stamped",
         threads: int | None = None,
         latent_dtype: str = "float32",
+        npu_prefill: NpuPrefillChoice = "auto",
     ) -> Model:
         """Load a converted bundle (a path, or an opened ``Bundle``): stage graphs on
         RKNNLite (the board, or its ONNX-twin mock on a host; ``executor`` = auto |
@@ -118,8 +141,10 @@ class Model:
         (``verify``: stamped | full | size | none, see ``Bundle.verify``). ``threads``
         sizes every CPU pool (routed experts, CPU stage graphs) and pins them; see
         ``ling3_rknn.cpu_threads`` (None: one per big core). ``latent_dtype``: the MLA
-        latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``)."""
-        runtime_for(executor)  # a bad choice fails before any file is read
+        latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``).
+        ``npu_prefill``: prefill attention's matmuls on the NPU (``mla_npu``: auto = on a
+        board, on = also on the host stand-in, off)."""
+        runtime = runtime_for(executor)  # a bad choice fails before any file is read
         check_latent_dtype(latent_dtype)  # before any file is read, like the executor
         policy = apply_thread_policy(threads)
         if isinstance(path, Bundle):
@@ -129,10 +154,14 @@ class Model:
         else:
             bundle = Bundle.open(path, verify=verify)
         parts = load_bundle_parts(bundle, executor, policy.threads)
+        on_npu = bundle.manifest.target == "rk3588" and runtime != "onnx"
+        choice = npu_prefill if on_npu or npu_prefill != "auto" else "off"
+        attention = open_npu_attention(parts.config, choice,
+                                       runtime if runtime != "onnx" else None)
         return cls(parts.config, parts.stages, parts.experts, parts.cpu,
                    threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype,
                    prefill_chunk=max(parts.stages.chunk_sizes[-1], DEFAULT_PREFILL_CHUNK),
-                   npu_graphs=parts.npu_graphs)
+                   npu_graphs=parts.npu_graphs, npu_attention=attention)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, self.latent_dtype)
@@ -162,23 +191,60 @@ class Model:
                 f"{self.config.max_position_embeddings}"
             )
         state.broken = True  # cleared only when every layer has been advanced
+        expanded = self._expanded_prefill(state, len(ids))
+        piece = self.pipeline_piece
+        if piece and len(ids) > piece:
+            pieces = self._pipelined(ids, state, expanded, piece, last_only)
+        else:
+            pieces = [self._layers(ids, state, state.length, expanded)]
+        state.length = end
+        state.broken = False
+        if last_only:
+            pieces = [pieces[-1][-1:]]
+        # the head per piece, as a call per piece would (the same bits)
+        logits = [self.stages.final(x) for x in pieces]
+        return np.ascontiguousarray(logits[0] if len(logits) == 1 else np.concatenate(logits),
+                                    dtype=np.float32)
+
+    def _layers(self, ids: np.ndarray, state: SequenceState, start: int, expanded: bool,
+                before: Callable[[int], None] | None = None,
+                after: Callable[[int], None] | None = None) -> np.ndarray:
+        """``ids`` at positions ``start``.. through every layer: their last hidden states.
+        ``before`` / ``after`` bracket each layer (the pipeline's ordering)."""
         x = self.stages.embed(ids)
         # One set of RoPE angles per call, shared by every MLA layer (same positions).
-        rope = rope_angles(
-            np.arange(state.length, end), self.config.qk_rope_head_dim, self.config.rope_theta
-        )
-        expanded = self._expanded_prefill(state, len(ids))
+        rope = rope_angles(np.arange(start, start + len(ids)), self.config.qk_rope_head_dim,
+                           self.config.rope_theta)
         for i, kind in enumerate(self.config.layer_kinds):
+            if before is not None:
+                before(i)
             if kind == "kda":
                 out = self._kda_layer(i, x, state)
             else:
                 out = self._mla_layer(i, x, state, rope, expanded)
             x = out.hidden if out.moe_input is None else self._moe(i, out)
-        state.length = end
-        state.broken = False
-        if last_only:
-            x = x[-1:]
-        return np.ascontiguousarray(self.stages.final(x), dtype=np.float32)
+            if after is not None:
+                after(i)
+        return x
+
+    def _pipelined(self, ids: np.ndarray, state: SequenceState, expanded: bool, piece: int,
+                   last_only: bool) -> list[np.ndarray]:
+        """``_layers`` over pieces of ``piece`` tokens, two in flight (pipeline.py): each
+        piece's last hidden states (only the last piece's with ``last_only``)."""
+        starts = list(range(0, len(ids), piece))
+        self._split_pool()  # made here, not raced for by the two pieces
+        if self._pipe is None:
+            self._pipe = ThreadPoolExecutor(2, thread_name_prefix="ling3-pipe")
+
+        def run(p: int, before: Callable[[int], None], after: Callable[[int], None]
+                ) -> np.ndarray:
+            a = starts[p]
+            part = ids[a:a + piece]
+            x = self._layers(part, state, state.length + a, expanded, before, after)
+            return x[-1:] if last_only and p < len(starts) - 1 else x
+
+        results = run_wavefront(len(starts), self.config.num_hidden_layers, run, self._pipe)
+        return results[-1:] if last_only else results
 
     # ----------------------------------------------------------------- layers
     def _kda_layer(self, i: int, x: np.ndarray, state: SequenceState) -> LayerOutput:
@@ -205,7 +271,7 @@ class Model:
             return False
         return state.prefill_scratch.choose(
             self.cpu.mla_bases, self.config.qk_rope_head_dim, state.length, t,
-            self.prefill_scratch_bytes)
+            self.prefill_scratch_bytes, store=self.npu_attention or CPU_ROWS)
 
     def _mla_layer(
         self, i: int, x: np.ndarray, state: SequenceState, rope: tuple[np.ndarray, np.ndarray],
@@ -223,14 +289,28 @@ class Model:
             # rows not projected yet (a cached prefix, an absorbed chunk), then this chunk's,
             # as the cache stores them (float16 rounded when it is float16)
             rows.extend(cache.rows(rows.length, cache.length))
-            ctx = expanded_attention(inp.q_latent, q_rope, rows, cache.length, self._scale,
-                                     pool=self._split_pool(), parts=self.threads)
+            ctx = self._expanded_attention(inp.q_latent, q_rope, rows, cache.length)
             if ctx is None:  # the kernel refused: this chunk absorbed, the rows now stale
                 state.prefill_scratch.release()
         if ctx is None:
             ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length,
                                 self._scale, pool=self._split_pool(), parts=self.threads)
         return self.stages.mla_output(i, x, ctx, inp.gate)
+
+    def _expanded_attention(self, q_latent: np.ndarray, q_rope: np.ndarray,
+                            rows: ProjectedRows, length: int) -> np.ndarray | None:
+        """The expanded form on the rows' own engine: the NPU's matmuls or the CPU kernel.
+        None when it cannot run (the chunk then runs absorbed)."""
+        if isinstance(rows, NpuRows):
+            assert self.npu_attention is not None
+            try:
+                return self.npu_attention.attend(q_latent, q_rope, rows, length, self._scale)
+            except MatmulError as exc:
+                log.warning("NPU attention failed (%s): this chunk runs on the CPU", exc)
+                return None
+        assert isinstance(rows, ExpandedRows)
+        return expanded_attention(q_latent, q_rope, rows, length, self._scale,
+                                  pool=self._split_pool(), parts=self.threads)
 
     def _decode_pool(self) -> ThreadPoolExecutor | None:
         """Threads for a decode token's KDA heads (``kda_decode_split``)."""

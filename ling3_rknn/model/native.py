@@ -333,3 +333,88 @@ def kda_chunk_takes(d: int, chunk: int) -> bool:
     kernel is on and loaded and the widths are ones it takes."""
     return (_enabled and d > 0 and d % _KDA_D_MULTIPLE == 0 and 1 <= chunk <= _KDA_MAX_CHUNK
             and _load() is not None)
+
+
+def softmax_piece(scores: np.ndarray, limit: np.ndarray, run_max: np.ndarray,
+                  denom: np.ndarray, acc: np.ndarray, p: np.ndarray) -> bool:
+    """``attn_softmax.c``'s online softmax over one piece of an NPU attention's scores
+    [m, n] (row i sees its first ``limit[i]`` columns): rescales ``run_max``, ``denom`` [m]
+    and ``acc`` [m, dv] in place and writes the float16 probabilities into ``p`` [m, n].
+    False when the kernel is off or cannot run here (the caller then takes numpy's path);
+    raises ValueError for a limit outside [0, n]."""
+    lib = _load() if _enabled else None
+    if lib is None:
+        return False
+    m, n = scores.shape
+    if (not _plain(scores, run_max, denom, acc) or limit.dtype != np.int32
+            or not limit.flags.c_contiguous or p.dtype != np.float16
+            or not p.flags.c_contiguous or p.shape != (m, n) or limit.shape != (m,)
+            or run_max.shape != (m,) or denom.shape != (m,) or acc.ndim != 2
+            or acc.shape[0] != m):
+        return False
+    scratch = np.empty(2 * n, dtype=np.float32)
+    status = lib.attn_softmax_piece(
+        scores.ctypes.data, m, n, limit.ctypes.data, run_max.ctypes.data, denom.ctypes.data,
+        acc.ctypes.data, acc.shape[1], p.ctypes.data, scratch.ctypes.data)
+    if status == -1:
+        raise ValueError(f"softmax limits must lie in [0, {n}]")
+    return status == 0
+
+
+def moe_quantize_rows(src: np.ndarray, rows: np.ndarray, dst: np.ndarray,
+                      scales: np.ndarray) -> bool:
+    """``moe_int8.c``: rows ``rows`` of ``src`` [*, d] quantised per row into ``dst`` [m, d]
+    int8 and ``scales`` [m]. False when the kernel is off or the arrays do not fit."""
+    lib = _load() if _enabled else None
+    m = len(rows)
+    if (lib is None or not _plain(src, scales) or src.ndim != 2 or rows.dtype != np.int64
+            or not rows.flags.c_contiguous or dst.dtype != np.int8
+            or not dst.flags.c_contiguous or dst.shape != (m, src.shape[1])
+            or scales.shape != (m,)):
+        return False
+    if m and (rows.min() < 0 or rows.max() >= len(src)):
+        raise IndexError("a row index lies outside the source")
+    lib.moe_quantize_rows(src.ctypes.data, src.shape[1], rows.ctypes.data, m,
+                          dst.ctypes.data, scales.ctypes.data)
+    return True
+
+
+def moe_swiglu_quantize(c: np.ndarray, row_scale: np.ndarray, col_scale: np.ndarray,
+                        dst: np.ndarray, dst_scale: np.ndarray) -> bool:
+    """``moe_int8.c``: gate|up int32 products [m, 2i] to the int8 SwiGLU intermediate."""
+    lib = _load() if _enabled else None
+    if lib is None or c.ndim != 2 or c.shape[1] % 2:
+        return False
+    m, inter = c.shape[0], c.shape[1] // 2
+    if (c.dtype != np.int32 or not c.flags.c_contiguous or not _plain(row_scale, col_scale,
+                                                                      dst_scale)
+            or row_scale.shape != (m,) or col_scale.shape != (2 * inter,)
+            or dst.dtype != np.int8 or not dst.flags.c_contiguous
+            or dst.shape != (m, inter) or dst_scale.shape != (m,)):
+        return False
+    scratch = np.empty(inter, np.float32)
+    lib.moe_swiglu_quantize(c.ctypes.data, m, inter, row_scale.ctypes.data,
+                            col_scale.ctypes.data, dst.ctypes.data, dst_scale.ctypes.data,
+                            scratch.ctypes.data)
+    return True
+
+
+def moe_scatter_add(c: np.ndarray, row_scale: np.ndarray, col_scale: np.ndarray,
+                    weight: np.ndarray, rows: np.ndarray, out: np.ndarray) -> bool:
+    """``moe_int8.c``: down int32 products [m, d], dequantised and weighted, into
+    ``out[rows]`` (rows may repeat: added in order)."""
+    lib = _load() if _enabled else None
+    if lib is None or c.ndim != 2:
+        return False
+    m, d = c.shape
+    if (c.dtype != np.int32 or not c.flags.c_contiguous
+            or not _plain(row_scale, col_scale, weight, out) or row_scale.shape != (m,)
+            or col_scale.shape != (d,) or weight.shape != (m,) or out.ndim != 2
+            or out.shape[1] != d or rows.dtype != np.int64 or rows.shape != (m,)
+            or not rows.flags.c_contiguous):
+        return False
+    if m and (rows.min() < 0 or rows.max() >= len(out)):
+        raise IndexError("a row index lies outside the output")
+    lib.moe_scatter_add(c.ctypes.data, m, d, row_scale.ctypes.data, col_scale.ctypes.data,
+                        weight.ctypes.data, rows.ctypes.data, out.ctypes.data)
+    return True

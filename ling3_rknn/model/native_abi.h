@@ -12,7 +12,7 @@
 
 /* Bumped with every change to a kernel's signature or meaning: native.py refuses a library
  * whose number differs (one built from older sources), instead of calling it wrongly. */
-#define LING3_NATIVE_ABI 5
+#define LING3_NATIVE_ABI 7
 
 /* Floats per vector (vf16, native_vec.h): the 16 heads of Ling-3.0-tiny's MLA and the query
  * columns of one prefill tile. */
@@ -63,5 +63,31 @@ int kda_decode_heads(const float *qkv, float *tail, const float *taps, int k, in
 int kda_chunk_heads(const float *q, const float *k, const float *v, const float *log_decay,
                     const float *beta, int t_len, int heads, int d, int chunk, float *state,
                     float *out, int h0, int h1, float *scratch);
+
+/* attn_softmax.c: one piece of cached rows in the online softmax of a prefill chunk whose
+ * Q.K^T and P.V run on the NPU. scores [m, n]; row i sees its first limit[i] columns. The
+ * running max, denominator [m] and context acc [m, dv] are carried across pieces (max
+ * starts at -FLT_MAX, the others at 0) and rescaled here; p [m, n] gets the float16 bits
+ * of exp(score - max), 0 where unseen. scratch: 2 * n floats. Returns 0, -1 for a limit
+ * outside [0, n], -2 where this build has no float16 conversion. */
+int attn_softmax_piece(const float *scores, int m, int n, const int32_t *limit, float *run_max,
+                       float *denom, float *acc, int dv, uint16_t *p, float *scratch);
+
+/* moe_int8.c: the routed experts' activations around their int8 NPU matmuls. Rows rows[i]
+ * of src [*, d] quantised per row into dst [m, d] with scales [m] (max|x| / 127). */
+int moe_quantize_rows(const float *src, int d, const int64_t *rows, int m, int8_t *dst,
+                      float *scales);
+
+/* moe_int8.c: gate|up products c [m, 2 * inter] (int32) dequantised by row_scale [m] x
+ * col_scale [2 * inter], SiLU(gate) * up, quantised per row into dst [m, inter] with
+ * dst_scale [m]. scratch: inter floats. */
+int moe_swiglu_quantize(const int32_t *c, int m, int inter, const float *row_scale,
+                        const float *col_scale, int8_t *dst, float *dst_scale, float *scratch);
+
+/* moe_int8.c: down products c [m, d] (int32) dequantised by row_scale [m] x col_scale [d],
+ * times weight [m], added into out[rows[i]] ([*, d] float32). */
+int moe_scatter_add(const int32_t *c, int m, int d, const float *row_scale,
+                    const float *col_scale, const float *weight, const int64_t *rows,
+                    float *out);
 
 #endif

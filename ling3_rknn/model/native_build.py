@@ -33,25 +33,23 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ling3_rknn.npu import matmul_standin_build
+from ling3_rknn.paths import KERNEL_DIR_ENV, kernel_directory
+
 from .native_abi import HEADER, abi
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("mla_attention.c", "kda_decode.c", "kda_chunk.c", "native_info.c")
+SOURCES = ("mla_attention.c", "kda_decode.c", "kda_chunk.c", "attn_softmax.c", "moe_int8.c",
+           "native_info.c")
 HEADERS = ("native_vec.h", HEADER.name)
 LIBRARY = "ling3-native.so"
 MANIFEST = "ling3-native.json"
-KERNEL_DIR_ENV = "LING3_RKNN_KERNEL_DIR"
 BUILD_TIMEOUT_S = 300
 _COMMON_FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared")
 
 
 class BuildError(RuntimeError):
     """The kernels could not be built; the message says why (the compiler's own words)."""
-
-
-def kernel_directory() -> Path:
-    """Where this install keeps its built kernels (not created here)."""
-    return Path(os.environ.get(KERNEL_DIR_ENV) or Path(sys.prefix) / "lib" / "ling3-rknn")
 
 
 def compiler() -> str | None:
@@ -164,7 +162,8 @@ def _write_readable(directory: Path, name: str, write: str | Path) -> None:
 def build(directory: Path | None = None, cc: str | None = None,
           source_dir: Path = SOURCE_DIR) -> Manifest:
     """Compile the kernels for this machine into ``directory`` (default
-    ``kernel_directory()``) and write their manifest. Concurrent builds each compile into
+    ``kernel_directory()``) and write their manifest, then the NPU matmul stand-in
+    (``npu/matmul_standin_build.py``). Concurrent builds each compile into
     their own temporary file; the library and then its manifest replace the old ones
     atomically. Raises BuildError with the compiler's message."""
     directory = directory or kernel_directory()
@@ -201,4 +200,8 @@ def _build_into(directory: Path, cc: str, source_dir: Path) -> Manifest:
             flags=flags, built=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         _write_readable(directory, LIBRARY, built)
     _write_readable(directory, MANIFEST, json.dumps(asdict(manifest), indent=1) + "\n")
+    try:  # the NPU matmul stand-in, for LING3_NPU_RUNTIME=mock (docs/npu-matmul.md)
+        matmul_standin_build.build(directory, cc, machine_flags())
+    except matmul_standin_build.StandinBuildError as exc:
+        raise BuildError(f"the NPU matmul stand-in: {exc}") from exc
     return manifest

@@ -44,10 +44,12 @@ pytest=(/opt/ling3-rknn/.venv/bin/pytest -p no:cacheprovider -q)
 export PYTHONDONTWRITEBYTECODE=1 LING3_RKNN_STATE_DIR=/tmp/ling3-state LING3_NPU_RUNTIME=mock
 
 if want kernels; then
-    step "1. decode kernels (NEON, _Float16) against numpy; oracle decode; float16 latents"
+    step "1. decode kernels (NEON, _Float16) against numpy; oracle decode; float16 latents;" \
+        "the NPU matmul binding on its stand-in; attention and experts' steps around it"
     t=$SECONDS
     "${pytest[@]}" tests/test_native_kernels.py tests/test_model_oracle.py \
-        tests/test_latent_fp16.py tests/test_mla_expanded.py
+        tests/test_latent_fp16.py tests/test_mla_expanded.py tests/test_npu_matmul.py \
+        tests/test_mla_npu.py tests/test_moe_int8.py tests/test_model_pipeline.py
     "$py" tests/aarch64/kernel_errors.py --out /src/kernel-errors-aarch64.json \
         --compare /src/kernel-errors-x86_64.json
     echo "kernels: $((SECONDS - t)) s"

@@ -1,0 +1,380 @@
+"""Prefill MLA attention with its matmuls on the NPU (ling3_rknn/model/mla_npu.py).
+
+Held against the float32 absorbed numpy attention (itself pinned to transformers by the
+oracle tests) with a bound derived from the float16 steps the NPU path adds, and through
+the model against its CPU path. The NPU here is the numpy double of the matmul interface
+(tests/npu_matmul_double.py) and, where it is built, the C stand-in of librknnrt.
+
+The bound (per query, on the context's 2-norm, docs/model.md 5.5). Float16 rounds q and k
+(relative u = 2^-11 each; their products are exact in float32) and the float32 sum of the
+qk products adds at most qk * 2^-24 relative: each score is off by at most
+E = (2u + u^2 + qk 2^-24) sum_i |q_i k_i|. Scores off by E move each probability by a
+factor within e^(+-2E); the probabilities are then rounded to float16 (u each, and the
+denominator sums the rounded values: 2u on a normalised one) and so are the values (u):
+|ctx - ctx_ref|_2 <= (e^(2E) - 1 + 3u) max_j |v_j|_2, plus the float32 reference's own
+rounding (far smaller: a 2^-24 term per accumulated row, bounded by n 2^-24 max|v|).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ORACLE_DIR, ORACLE_FIXTURES
+from npu_matmul_double import DoubleRuntime
+
+from ling3_rknn.model import Model, mla, native
+from ling3_rknn.model.mla_expanded import PrefillScratch, mla_bases
+from ling3_rknn.model.mla_npu import NpuAttention, NpuAttentionShapes, NpuRows, softmax_piece
+from ling3_rknn.npu.matmul import open_runtime
+from ling3_rknn.npu.matmul_plan import MatmulError
+
+U = 2.0 ** -11
+F32 = 2.0 ** -24
+
+
+def _standin():
+    try:
+        return open_runtime("mock")
+    except MatmulError as exc:
+        pytest.skip(f"the matmul stand-in is not built here: {exc}")
+
+
+@pytest.fixture(params=["double", "stand-in"])
+def runtime(request):
+    """The numpy double, and the real binding over the C stand-in of librknnrt (native
+    layouts, ctypes structures): the product path."""
+    rt = DoubleRuntime() if request.param == "double" else _standin()
+    yield rt
+    rt.close()
+
+
+def _layer(rng, heads, r, dn, dv):
+    w_kb = rng.standard_normal((heads, dn, r)).astype(np.float32) / np.sqrt(r)
+    w_vb = rng.standard_normal((heads, dv, r)).astype(np.float32) / np.sqrt(r)
+    return w_kb, w_vb
+
+
+def _reference(q_lat, q_rope, latent, length, scale):
+    blocks = [latent[i:i + 256] for i in range(0, length, 256)]
+    native.set_enabled(False)
+    try:
+        return mla.mla_attention(q_lat, q_rope, blocks, length, scale)
+    finally:
+        native.set_enabled(True)
+
+
+def _bound(q_lat, q_rope, latent, bases, scale, rope):
+    """Per (token, head): the bound above, from the expanded queries and keys."""
+    r = bases.key.shape[1]
+    q_small = np.einsum("thr,hrd->thd", q_lat, bases.key)
+    q = np.concatenate([q_small, q_rope], axis=2) * scale  # [T, H, qk]
+    keys = np.concatenate([np.einsum("sr,hrd->shd", latent[:, :r], bases.key),
+                           np.broadcast_to(latent[:, None, r:],
+                                           (len(latent), bases.heads, rope))], axis=2)
+    values = np.einsum("sr,hrd->shd", latent[:, :r], bases.value)
+    qk = q.shape[2]
+    sums = np.einsum("thi,shi->ths", np.abs(q), np.abs(keys))  # sum_i |q_i k_i|
+    e = (2 * U + U * U + qk * F32) * sums.max(axis=2)
+    v_max = np.linalg.norm(values, axis=2).max(axis=0)  # per head
+    return (np.expm1(2 * e) + 3 * U + len(latent) * F32) * v_max[None, :]
+
+
+def _attention(heads, qk, dv, query_rows, piece_rows, runtime=None):
+    shapes = NpuAttentionShapes(heads, qk, dv, query_rows=query_rows, piece_rows=piece_rows)
+    return NpuAttention(runtime or DoubleRuntime(), shapes)
+
+
+@pytest.mark.parametrize("heads,r,dn,dv,rope,length,t,query_rows,piece_rows", [
+    (16, 512, 128, 128, 64, 700, 64, 64, 256),  # Ling-3.0-tiny's MLA: 3 pieces deep
+    (8, 128, 32, 32, 16, 64, 64, 64, 2048),     # the demo's, a first chunk in one piece
+    (5, 24, 8, 12, 8, 300, 9, 32, 64),          # odd sizes: padded K and N, 5 pieces
+    (2, 16, 16, 16, 4, 100, 70, 32, 32),        # a chunk over 3 query blocks and 4 pieces
+])
+def test_npu_attention_matches_the_float32_reference(heads, r, dn, dv, rope, length, t,
+                                                     query_rows, piece_rows, runtime):
+    rng = np.random.default_rng(heads * 100 + t)
+    w_kb, w_vb = _layer(rng, heads, r, dn, dv)
+    bases = mla_bases(w_kb, w_vb)
+    latent = rng.standard_normal((length, r + rope)).astype(np.float32)
+    q_lat = np.einsum("thd,hdr->thr", rng.standard_normal((t, heads, dn)).astype(np.float32),
+                      w_kb)
+    q_rope = rng.standard_normal((t, heads, rope)).astype(np.float32)
+    attn = _attention(heads, dn + rope, dv, query_rows, piece_rows, runtime)
+    rows = attn.new_rows(bases, rope)
+    split = max(0, length - t - 3)
+    rows.extend(latent[:split])  # a cached prefix ending off the 32-row grid
+    rows.extend(latent[split:length - t])
+    rows.extend(latent[length - t:])
+    scale = 0.1
+    ctx = attn.attend(q_lat, q_rope, rows, length, scale)
+    assert ctx.shape == (t, heads, r) and np.isfinite(ctx).all()
+    want = _reference(q_lat, q_rope, latent, length, scale)
+    # compared in the value subspace (the part W_vb sees): ctx~ = V_h^T ctx
+    err = np.linalg.norm(np.einsum("thr,hrd->thd", ctx - want, bases.value), axis=2)
+    bound = _bound(q_lat, q_rope, latent, bases, scale, rope)
+    assert (err <= bound).all(), float((err / bound).max())
+    attn.close()
+
+
+def test_a_wrong_row_would_break_the_bound():
+    """The bound is tight enough to see one mis-written row: the test above can fail."""
+    rng = np.random.default_rng(3)
+    heads, r, dn, dv, rope, length = 4, 64, 32, 32, 16, 200
+    w_kb, w_vb = _layer(rng, heads, r, dn, dv)
+    bases = mla_bases(w_kb, w_vb)
+    latent = rng.standard_normal((length, r + rope)).astype(np.float32)
+    q_lat = np.einsum("thd,hdr->thr", rng.standard_normal((8, heads, dn)).astype(np.float32),
+                      w_kb)
+    q_rope = rng.standard_normal((8, heads, rope)).astype(np.float32)
+    attn = _attention(heads, dn + rope, dv, 32, 64)
+    rows = attn.new_rows(bases, rope)
+    wrong = latent.copy()
+    wrong[100] = wrong[101]
+    rows.extend(wrong)
+    ctx = attn.attend(q_lat, q_rope, rows, length, 0.3)
+    want = _reference(q_lat, q_rope, latent, length, 0.3)
+    err = np.linalg.norm(np.einsum("thr,hrd->thd", ctx - want, bases.value), axis=2)
+    assert (err > _bound(q_lat, q_rope, latent, bases, 0.3, rope)).any()
+
+
+@pytest.mark.parametrize("keep", [0, 31, 32, 33, 64, 100, 129])
+def test_truncated_rows_extend_as_if_never_longer(keep, runtime):
+    rng = np.random.default_rng(keep)
+    heads, r, dn, dv, rope = 3, 32, 16, 16, 16
+    w_kb, w_vb = _layer(rng, heads, r, dn, dv)
+    bases = mla_bases(w_kb, w_vb)
+    latent = rng.standard_normal((160, r + rope)).astype(np.float32)
+    other = rng.standard_normal((160, r + rope)).astype(np.float32)
+    attn = _attention(heads, dn + rope, dv, 32, 64, runtime)
+    rows = attn.new_rows(bases, rope)
+    rows.extend(latent[:keep])
+    rows.extend(other[keep:150])  # another continuation, then cut back to `keep` positions
+    rows.truncate(keep)
+    assert rows.length <= keep and rows.length % 32 == 0  # rounded down, never up
+    rows.extend(latent[rows.length:keep])
+    rows.extend(latent[keep:150])
+    fresh = attn.new_rows(bases, rope)
+    fresh.extend(latent[:150])
+    q_lat = rng.standard_normal((5, heads, r)).astype(np.float32)
+    q_rope = rng.standard_normal((5, heads, rope)).astype(np.float32)
+    got = attn.attend(q_lat, q_rope, rows, 150, 0.2)
+    want = attn.attend(q_lat, q_rope, fresh, 150, 0.2)
+    np.testing.assert_array_equal(got, want)  # the same float16 rows, the same products
+    rows.free()
+    fresh.free()
+    if isinstance(runtime, DoubleRuntime):
+        assert runtime.live_b == 0  # every B operand handed back
+
+
+def test_the_chunk_sees_only_its_past():
+    """Causal: a chunk's first query sees the prefix and itself, not the later rows."""
+    rng = np.random.default_rng(7)
+    heads, r, dn, dv, rope = 2, 16, 16, 16, 4
+    w_kb, w_vb = _layer(rng, heads, r, dn, dv)
+    bases = mla_bases(w_kb, w_vb)
+    latent = rng.standard_normal((90, r + rope)).astype(np.float32)
+    changed = latent.copy()
+    changed[60:] += 5.0  # rows after the first query's position
+    q_lat = rng.standard_normal((31, heads, r)).astype(np.float32)
+    q_rope = rng.standard_normal((31, heads, rope)).astype(np.float32)
+    outs = []
+    for lat in (latent, changed):
+        attn = _attention(heads, dn + rope, dv, 32, 32)
+        rows = attn.new_rows(bases, rope)
+        rows.extend(lat)
+        outs.append(attn.attend(q_lat, q_rope, rows, 90, 0.5))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])  # position 59 sees rows 0..59
+    assert not np.array_equal(outs[0][-1], outs[1][-1])
+
+
+def test_softmax_piece_kernel_matches_numpy():
+    if not native.available():
+        pytest.skip("the compiled kernels are not built here")
+    rng = np.random.default_rng(1)
+    m, n, dv = 37, 96, 24
+    limits = [rng.integers(0, n + 1, m).astype(np.int32) for _ in range(3)]
+    states = []
+    for use_kernel in (True, False):
+        run_max = np.full(m, np.finfo(np.float32).min, np.float32)
+        denom = np.zeros(m, np.float32)
+        acc = np.zeros((m, dv), np.float32)
+        p = np.empty((m, n), np.float16)
+        ps = []
+        for piece, limit in enumerate(limits):
+            scores = (rng.standard_normal((m, n)) * 4 + piece).astype(np.float32)
+            acc += 1.0
+            native.set_enabled(use_kernel)
+            try:
+                softmax_piece(scores, limit, run_max, denom, acc, p)
+            finally:
+                native.set_enabled(True)
+            ps.append(p.copy())
+        rng = np.random.default_rng(1)
+        limits = [rng.integers(0, n + 1, m).astype(np.int32) for _ in range(3)]
+        states.append((run_max, denom, acc, ps))
+    (mk, dk, ak, pk), (mn, dn_, an, pn) = states
+    np.testing.assert_array_equal(mk, mn)  # the max is exact
+    # e^x: Cephes' polynomial within 1e-7 relative against numpy's; one float16 rounding of
+    # it may then land one step (2^-11 relative) apart
+    for a, b in zip(pk, pn, strict=True):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2 * U,
+                                   atol=0)
+    np.testing.assert_allclose(dk, dn_, rtol=2 * U * 3)  # three pieces' sums of such values
+    np.testing.assert_allclose(ak, an, rtol=1e-6)  # rescale factors: expf, one product each
+
+
+def test_softmax_piece_refuses_a_limit_past_the_piece():
+    if not native.available():
+        pytest.skip("the compiled kernels are not built here")
+    m, n = 2, 16
+    with pytest.raises(ValueError, match="limits"):
+        native.softmax_piece(np.zeros((m, n), np.float32), np.array([3, 17], np.int32),
+                             np.zeros(m, np.float32), np.zeros(m, np.float32),
+                             np.zeros((m, 4), np.float32), np.empty((m, n), np.float16))
+
+
+def test_a_shape_the_npu_cannot_run_is_refused_at_plan_time():
+    with pytest.raises(MatmulError, match="aborts"):
+        NpuAttention(DoubleRuntime(), NpuAttentionShapes(4, 64, 32, 256, 16384))
+    with pytest.raises(MatmulError, match="10240"):
+        NpuAttention(DoubleRuntime(), NpuAttentionShapes(4, 64, 32, 256, 12288))
+
+
+def test_the_scratch_keeps_npu_rows_and_frees_them():
+    rng = np.random.default_rng(0)
+    heads, r, dn, dv, rope = 2, 16, 16, 16, 4
+    bases = {1: mla_bases(*_layer(rng, heads, r, dn, dv))}
+    runtime = DoubleRuntime()
+    attn = _attention(heads, dn + rope, dv, 32, 64, runtime)
+    scratch = PrefillScratch()
+    assert scratch.choose(bases, rope, 0, 40, 1 << 30, store=attn)
+    scratch.rows[1].extend(rng.standard_normal((40, r + rope)).astype(np.float32))
+    assert runtime.live_b == 2 * heads and scratch.nbytes > 0
+    # the byte cap counts float16 rows of the NPU's padded widths
+    row = attn.shapes.row_bytes()
+    assert not scratch.choose(bases, rope, 40, 24, 64 * row - 1, store=attn)
+    assert runtime.live_b == 0 and not scratch.rows
+    assert scratch.choose(bases, rope, 0, 64, 64 * row, store=attn)
+    scratch.release()
+    assert runtime.live_b == 0
+
+
+# ------------------------------------------------------------------ through the model
+def _npu_model(model: Model, runtime=None, query_rows: int = 32, piece_rows: int = 64
+               ) -> Model:
+    c = model.config
+    shapes = NpuAttentionShapes(c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim,
+                                c.v_head_dim, query_rows=query_rows, piece_rows=piece_rows)
+    return Model(c, model.stages, model.experts, model.cpu,
+                 npu_attention=NpuAttention(runtime or DoubleRuntime(), shapes))
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize("fixture", ORACLE_FIXTURES)
+@pytest.mark.parametrize("sizes", [[37], [5, 1, 64, 2, 30]])
+def test_model_prefill_on_the_npu_agrees_with_transformers(fixture, sizes, runtime):
+    """Pieces across query blocks (32), NPU pieces (64 rows) and decoded tokens between
+    them. The attention-level bound above is the derived one; here the figures the issue
+    asks for: top-1 agreement everywhere and a KL far below what would move a choice
+    (float16 attention moves these logits by ~1e-3: KL ~ delta^2 / 2 ~ 1e-6)."""
+    path = ORACLE_DIR / fixture
+    with np.load(path / "reference.npz") as ref:
+        ids, want = np.asarray(ref["input_ids"]), np.asarray(ref["logits_full"])
+    cpu = Model.from_hf(path)
+    model = _npu_model(cpu, runtime)
+    state = model.new_state()
+    got, pos, k = [], 0, 0
+    while pos < len(ids):
+        end = min(len(ids), pos + sizes[k % len(sizes)])
+        got.append(model.forward(ids[pos:end], state))
+        pos, k = end, k + 1
+    logits = np.concatenate(got)
+    assert any(isinstance(r, NpuRows) for r in state.prefill_scratch.rows.values())
+    lp, lq = _log_softmax(want), _log_softmax(logits)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=1)
+    assert (logits.argmax(axis=1) == want.argmax(axis=1)).all()
+    assert float(kl.max()) < 1e-4
+
+
+def test_an_npu_failure_runs_the_chunk_on_the_cpu(monkeypatch):
+    path = ORACLE_DIR / ORACLE_FIXTURES[0]
+    with np.load(path / "reference.npz") as ref:
+        ids, want = np.asarray(ref["input_ids"]), np.asarray(ref["logits_full"])
+    model = _npu_model(Model.from_hf(path))
+    state = model.new_state()
+    model.forward(ids[:40], state)
+    assert state.prefill_scratch.rows
+
+    def broken(*args, **kwargs):
+        raise MatmulError("rknn_matmul_run failed (-1)")
+
+    monkeypatch.setattr(model.npu_attention, "attend", broken)
+    logits = model.forward(ids[40:80], state)
+    assert not state.prefill_scratch.rows  # dropped: the NPU rows are stale now
+    lp, lq = _log_softmax(want[40:80]), _log_softmax(logits)
+    assert (logits.argmax(axis=1) == want[40:80].argmax(axis=1)).all()
+    assert float((np.exp(lp) * (lp - lq)).sum(axis=1).max()) < 1e-4
+
+
+def test_the_bench_splits_out_npu_attention():
+    from ling3_rknn.bench.timers import ComponentTimers
+
+    path = ORACLE_DIR / ORACLE_FIXTURES[0]
+    with np.load(path / "reference.npz") as ref:
+        ids = np.asarray(ref["input_ids"])
+    runtime = DoubleRuntime()
+    model = _npu_model(Model.from_hf(path), runtime)
+    timers = ComponentTimers()
+    timers.install(model)
+    model.forward(ids[:70], model.new_state())
+    split = timers.prefill
+    ms = split.per_token_ms()
+    assert split.npu_attention > 0 and split.attention_matmul > 0
+    assert split.attention_softmax > 0
+    assert model.npu_attention.counters.runs == len(runtime.runs)  # every run counted
+    assert ms["cpu_glue"] < ms["forward"] - ms["npu_attention"] + 1e-9
+
+
+# ------------------------------------------------------------------ loading
+def test_a_bundle_loads_with_prefill_attention_on_the_npu_when_asked(monkeypatch):
+    from ling3_rknn.demo import bundle_dir
+
+    _standin().close()  # skips where the stand-in is not built
+    monkeypatch.setenv("LING3_NPU_RUNTIME", "mock")
+    auto = Model.from_bundle(bundle_dir(), verify="none")
+    assert auto.npu_attention is None  # off a board auto keeps the CPU kernel
+    model = Model.from_bundle(bundle_dir(), verify="none", npu_prefill="on")
+    attention = model.npu_attention
+    assert attention is not None and attention.runtime.name == "stand-in"
+    # the engine feeds two pieces per call, evaluated in flight (pipeline.py)
+    assert model.pipeline_piece == attention.shapes.query_rows == 1024
+    assert model.prefill_chunk == 2048
+    rng = np.random.default_rng(5)
+    ids = rng.integers(2, model.config.vocab_size, 300)
+    state = model.new_state()
+    got = np.concatenate([model.forward(ids[:200], state), model.forward(ids[200:], state)])
+    assert attention.counters.runs > 0
+    want = auto.forward(ids, auto.new_state())
+    lp, lq = _log_softmax(want), _log_softmax(got)
+    assert (got.argmax(axis=1) == want.argmax(axis=1)).mean() > 0.99
+    assert float((np.exp(lp) * (lp - lq)).sum(axis=1).max()) < 1e-3
+    off = Model.from_bundle(bundle_dir(), verify="none", npu_prefill="off")
+    assert off.npu_attention is None
+    attention.close()
+
+
+def test_on_without_the_npu_library_is_a_typed_error(monkeypatch, tmp_path):
+    from ling3_rknn.model.mla_npu import open_npu_attention
+    from ling3_rknn.npu import matmul
+
+    config = Model.from_hf(ORACLE_DIR / ORACLE_FIXTURES[0]).config
+    monkeypatch.setattr(matmul, "LIBRKNNRT", tmp_path / "librknnrt.so")
+    with pytest.raises(MatmulError, match="librknnrt"):
+        open_npu_attention(config, "on", "board")
+    assert open_npu_attention(config, "auto", None) is None  # no board: the CPU kernel
+    with pytest.raises(ValueError, match="npu prefill"):
+        open_npu_attention(config, "yes", None)  # type: ignore[arg-type]
