@@ -90,7 +90,7 @@ def test_the_wavefront_orders_pieces_per_layer():
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        out = run_wavefront(5, 4, run, pool)
+        out, _overlap = run_wavefront(5, 4, run, pool)
     assert [int(o[0]) for o in out] == list(range(5))
     for p in range(1, 5):
         for i in range(4):

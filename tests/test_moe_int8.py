@@ -3,7 +3,9 @@
 
 Bounds from the arithmetic: quantising a row to int8 with scale s = max|x| / 127 leaves an
 error of at most s / 2 per value (round to nearest); the kernel and numpy compute the same
-float32 product x * (127 / max|x|) and round it the same way, so they agree exactly. SiLU's
+float32 product x * (127 / max|x|) and add the same half, but gcc may fuse that product
+into the addition (-ffp-contract=fast: no rounding of the product), so a value within one
+float32 step of a half may round the other way: at most one int8 step apart. SiLU's
 e^x is Cephes' polynomial in the kernel (within 1e-7 relative of numpy's), so the float
 intermediate agrees to ~2^-22 and its quantised value to within one step. The scatter's
 products are float32 (one rounding each, 2^-24 relative, maybe fused: same bound)."""
@@ -39,7 +41,8 @@ def test_quantize_rows_kernel_is_numpy(d):
     rows = rng.integers(0, 50, 120)
     rows[:2] = 3
     (q, s), (qn, sn) = _both(moe_int8.quantize_rows, src, rows)
-    np.testing.assert_array_equal(q, qn)
+    assert np.abs(q.astype(np.int32) - qn).max() <= 1  # a fused product at a half
+    assert (q == qn).mean() > 0.99  # and only there
     np.testing.assert_array_equal(s, sn)
     assert (q[:2] == 0).all() and (s[:2] == 0).all()
     x = src[rows]

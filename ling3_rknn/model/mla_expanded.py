@@ -147,8 +147,8 @@ class RowStore(Protocol):
 
     def new_rows(self, bases: MlaBases, rope: int) -> ProjectedRows: ...
 
-    def row_bytes(self, bases: MlaBases, rope: int) -> int:
-        """Bytes one cached position takes in one layer."""
+    def bytes_for(self, bases: MlaBases, rope: int, positions: int) -> int:
+        """Bytes ``positions`` cached rows take in one layer, as this store allocates them."""
 
     def ready(self) -> bool:
         """Whether the expanded form can run on this store now."""
@@ -160,8 +160,8 @@ class CpuRowStore:
     def new_rows(self, bases: MlaBases, rope: int) -> ExpandedRows:
         return ExpandedRows(bases, rope)
 
-    def row_bytes(self, bases: MlaBases, rope: int) -> int:
-        return bases.key.shape[0] * bases.row_width(rope) * 4  # float32
+    def bytes_for(self, bases: MlaBases, rope: int, positions: int) -> int:
+        return positions * bases.key.shape[0] * bases.row_width(rope) * 4  # float32
 
     def ready(self) -> bool:
         return native.available()
@@ -179,10 +179,15 @@ class PrefillScratch:
     rows: dict[int, ProjectedRows] = field(default_factory=dict)
     absorbed_macs: float = 0.0
     store: RowStore | None = None  # where ``rows`` live
+    # set when the rows could not be used mid-call (a kernel refused, the NPU failed): the
+    # rest of the call runs absorbed, and the rows are dropped when it ends (``release``),
+    # not while a second piece in flight may still read them (pipeline.py)
+    stale: bool = False
 
     def clear(self) -> None:
         self._drop_rows()
         self.absorbed_macs = 0.0
+        self.stale = False
 
     def _drop_rows(self) -> None:
         for rows in self.rows.values():
@@ -228,8 +233,7 @@ class PrefillScratch:
             self._drop_rows()
             covered = 0
         self.store = store
-        row_bytes = store.row_bytes(b, rope) * len(bases)
-        if (length + t) * row_bytes > limit:
+        if store.bytes_for(b, rope, length + t) * len(bases) > limit:
             self.release()
             return False
         projection = (length - covered) * h * (dn + dv) * r

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -149,8 +150,10 @@ class NpuAttention:
     def new_rows(self, bases: MlaBases, rope: int) -> NpuRows:
         return NpuRows(self, bases, rope)
 
-    def row_bytes(self, bases: MlaBases, rope: int) -> int:
-        return self.shapes.row_bytes()
+    def bytes_for(self, bases: MlaBases, rope: int, positions: int) -> int:
+        """Whole pieces: a piece's buffers are allocated when its first row arrives."""
+        pieces = -(-positions // self.shapes.piece_rows)
+        return pieces * self.shapes.piece_rows * self.shapes.row_bytes()
 
     def ready(self) -> bool:
         return bool(self._scores)
@@ -191,9 +194,18 @@ class NpuAttention:
                         core, queries[head, q0:q1], rows.pieces(head), first_pos + q0)
 
         futures = [self._pool.submit(run_core, c) for c in range(1, self.cores)]
-        run_core(0)
+        failure: BaseException | None = None
+        try:
+            run_core(0)
+        except BaseException as exc:  # the other cores' matmuls must end first
+            failure = exc
         for f in futures:
-            f.result()
+            try:
+                f.result()
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         # back to latent space, V_h ctx~_h: [h, t, d_v] @ [h, d_v, r] -> [t, h, r]
         return np.matmul(ctx_small, b.value.transpose(0, 2, 1)).transpose(1, 0, 2)
 
@@ -267,6 +279,9 @@ class NpuRows:
         # the rows since the last ROW_ALIGN boundary, float16: rewritten with the next ones
         self._tail_keys = np.zeros((0, h, s.qk_pad), np.float16)
         self._tail_values = np.zeros((0, h, s.dv_pad), np.float16)
+        # a dropped store gives its NPU memory back (the contexts hold every B they made
+        # until they close, so garbage collection alone would not)
+        self._finalizer = weakref.finalize(self, _free_pieces, self._pieces)
 
     @property
     def nbytes(self) -> int:
@@ -321,14 +336,22 @@ class NpuRows:
         s = attn.shapes
         zero_kt = np.zeros((s.qk_pad, s.piece_rows), np.float16)
         zero_v = np.zeros((s.piece_rows, s.dv_pad), np.float16)
-        piece = []
-        for head in range(self.bases.heads):
-            core = attn.core_of(head)
-            kt = attn._scores[core].new_b()
-            v = attn._context[core].new_b()
-            attn._scores[core].write_b(kt, zero_kt)
-            attn._context[core].write_b(v, zero_v)
-            piece.append((kt, v))
+        piece: list[tuple[MatmulB, MatmulB]] = []
+        made: list[MatmulB] = []
+        try:
+            for head in range(self.bases.heads):
+                core = attn.core_of(head)
+                kt = attn._scores[core].new_b()
+                made.append(kt)
+                v = attn._context[core].new_b()
+                made.append(v)
+                attn._scores[core].write_b(kt, zero_kt)
+                attn._context[core].write_b(v, zero_v)
+                piece.append((kt, v))
+        except BaseException:
+            for b in made:  # the heads' buffers made before the failure
+                b.free()
+            raise
         return piece
 
     def truncate(self, length: int) -> None:
@@ -348,16 +371,22 @@ class NpuRows:
         self._tail_values = self._tail_values[:0]
 
     def free(self) -> None:
-        for piece in self._pieces:
-            _free(piece)
-        self._pieces.clear()
+        _free_pieces(self._pieces)
         self.length = 0
+        self._tail_keys = self._tail_keys[:0]
+        self._tail_values = self._tail_values[:0]
 
 
 def _free(piece: list[tuple[MatmulB, MatmulB]]) -> None:
     for kt, v in piece:
         kt.free()
         v.free()
+
+
+def _free_pieces(pieces: list[list[tuple[MatmulB, MatmulB]]]) -> None:
+    for piece in pieces:
+        _free(piece)
+    pieces.clear()
 
 
 

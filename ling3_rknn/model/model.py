@@ -34,6 +34,7 @@ from .pipeline import run_wavefront
 from .snapshot_arrays import SnapshotArrays
 from .stages import LayerOutput
 from .state import (
+    LatentCache,
     SequenceState,
     StateError,
     StateLayout,
@@ -86,6 +87,9 @@ class Model:
         # a longer forward runs in pieces of this many tokens, two in flight (pipeline.py);
         # 0: one piece. On with the NPU: each piece's CPU work fills the other's NPU time.
         self.pipeline_piece = 0
+        # seconds the pieces in flight ran beyond the wall time they took, summed (read by
+        # ``ling3-rknn bench``: the components it times add up to wall time + this)
+        self.pipeline_overlap_s = 0.0
         if npu_attention is not None:
             self.pipeline_piece = npu_attention.shapes.query_rows
             self.prefill_chunk = max(prefill_chunk, 2 * self.pipeline_piece)
@@ -197,6 +201,8 @@ class Model:
             pieces = self._pipelined(ids, state, expanded, piece, last_only)
         else:
             pieces = [self._layers(ids, state, state.length, expanded)]
+        if state.prefill_scratch.stale:  # every piece is done with the rows now
+            state.prefill_scratch.release()
         state.length = end
         state.broken = False
         if last_only:
@@ -243,7 +249,9 @@ class Model:
             x = self._layers(part, state, state.length + a, expanded, before, after)
             return x[-1:] if last_only and p < len(starts) - 1 else x
 
-        results = run_wavefront(len(starts), self.config.num_hidden_layers, run, self._pipe)
+        results, overlap = run_wavefront(len(starts), self.config.num_hidden_layers, run,
+                                         self._pipe)
+        self.pipeline_overlap_s += overlap
         return results[-1:] if last_only else results
 
     # ----------------------------------------------------------------- layers
@@ -284,32 +292,36 @@ class Model:
         cache = state.latents[i]
         cache.append(np.concatenate([inp.latent, k_rope], axis=1))
         ctx = None
-        rows = state.prefill_scratch.rows.get(i) if expanded else None
+        scratch = state.prefill_scratch
+        rows = scratch.rows.get(i) if expanded and not scratch.stale else None
         if rows is not None:
-            # rows not projected yet (a cached prefix, an absorbed chunk), then this chunk's,
-            # as the cache stores them (float16 rounded when it is float16)
-            rows.extend(cache.rows(rows.length, cache.length))
-            ctx = self._expanded_attention(inp.q_latent, q_rope, rows, cache.length)
-            if ctx is None:  # the kernel refused: this chunk absorbed, the rows now stale
-                state.prefill_scratch.release()
+            ctx = self._expanded_attention(inp.q_latent, q_rope, rows, cache)
+            if ctx is None:  # refused or failed: absorbed from here on, the rows stale
+                scratch.stale = True
         if ctx is None:
             ctx = mla_attention(inp.q_latent, q_rope, cache.blocks(), cache.length,
                                 self._scale, pool=self._split_pool(), parts=self.threads)
         return self.stages.mla_output(i, x, ctx, inp.gate)
 
     def _expanded_attention(self, q_latent: np.ndarray, q_rope: np.ndarray,
-                            rows: ProjectedRows, length: int) -> np.ndarray | None:
-        """The expanded form on the rows' own engine: the NPU's matmuls or the CPU kernel.
+                            rows: ProjectedRows, cache: LatentCache) -> np.ndarray | None:
+        """The expanded form on the rows' own engine: the NPU's matmuls or the CPU kernel,
+        after projecting the rows not projected yet (a cached prefix, an absorbed chunk,
+        then this chunk's, as the cache stores them: float16 rounded when it is float16).
         None when it cannot run (the chunk then runs absorbed)."""
         if isinstance(rows, NpuRows):
             assert self.npu_attention is not None
             try:
-                return self.npu_attention.attend(q_latent, q_rope, rows, length, self._scale)
-            except MatmulError as exc:
-                log.warning("NPU attention failed (%s): this chunk runs on the CPU", exc)
+                rows.extend(cache.rows(rows.length, cache.length))
+                return self.npu_attention.attend(q_latent, q_rope, rows, cache.length,
+                                                 self._scale)
+            except MatmulError as exc:  # out of NPU memory included
+                log.warning("NPU attention failed (%s): the rest of this call runs on the "
+                            "CPU", exc)
                 return None
         assert isinstance(rows, ExpandedRows)
-        return expanded_attention(q_latent, q_rope, rows, length, self._scale,
+        rows.extend(cache.rows(rows.length, cache.length))
+        return expanded_attention(q_latent, q_rope, rows, cache.length, self._scale,
                                   pool=self._split_pool(), parts=self.threads)
 
     def _decode_pool(self) -> ThreadPoolExecutor | None:

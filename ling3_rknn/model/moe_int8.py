@@ -4,8 +4,10 @@ symmetric quantisation, the SwiGLU between the two projections, the weighted sca
 Compiled in ``moe_int8.c`` (one pass each; numpy's ~10 passes cost more than every other
 CPU share of an NPU prefill: docs/performance.md, "Prefill budget"); the numpy forms here
 are the fallback and the reference the kernels are tested against. A row's scale is
-max|x| / 127 (0 for a zero row); a product c_ij of rows quantised with scales a_i and
-weights with per-column scales w_j stands for c_ij a_i w_j.
+max|x| / 127 (0 for a zero row), its values round(x * 127 / max|x|) half away from zero
+(in float32; the kernel may fuse the product into the rounding's addition, so a value
+within one float32 step of a half may land one int8 step apart); a product c_ij of rows
+quantised with scales a_i and weights with per-column scales w_j stands for c_ij a_i w_j.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     top = np.abs(x).max(axis=1)
     scales = (top / np.float32(127)).astype(np.float32)
     inv = np.divide(np.float32(127), top, out=np.zeros_like(top), where=top > 0)
-    y = x * inv[:, None]
-    return np.trunc(y + np.where(y < 0, -0.5, 0.5)).astype(np.int8), scales
+    y = (x * inv[:, None]).astype(np.float32)
+    half = np.where(y < 0, np.float32(-0.5), np.float32(0.5)).astype(np.float32)
+    return np.trunc(y + half).astype(np.int8), scales
 
 
 def swiglu_quantize(c: np.ndarray, row_scale: np.ndarray, col_scale: np.ndarray

@@ -7,12 +7,15 @@ sequence state only orders pieces per layer (layer i's KDA state, conv tail and 
 rows after piece p are what piece p + 1 reads in layer i), so a second piece can run one
 layer behind the first and fill each side's idle time with its own work: a wavefront over
 (piece, layer). The arithmetic of every piece is the one a call per piece would do, in the
-same order per layer: the results are the same bits (tests/test_model_pipeline.py).
+same order per layer: the results are the same bits (tests/test_model_pipeline.py), as long
+as each piece would have taken the same MLA form (the expanded or absorbed choice is made
+once per call: a one-token last piece runs expanded here, absorbed as a call of its own).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -28,10 +31,14 @@ class Abandoned(Exception):
 
 
 def run_wavefront(pieces: int, layers: int, run: PieceRun, pool: ThreadPoolExecutor
-                  ) -> list[np.ndarray]:
-    """Each piece's result, pieces run on ``pool`` (two threads: two pieces in flight).
-    Raises the first failure after every piece has stopped, so nothing still writes to
-    the state when the caller sees it."""
+                  ) -> tuple[list[np.ndarray], float]:
+    """Each piece's result, pieces run on ``pool`` (two threads: two pieces in flight),
+    and the overlap: the seconds the pieces ran minus the seconds it took (what running
+    them in turn would have added). Raises the first failure after every piece has
+    stopped, so nothing still writes to the state when the caller sees it."""
+    clock = time.perf_counter
+    started = clock()
+    busy = [0.0] * pieces
     done = [[threading.Event() for _ in range(layers)] for _ in range(pieces)]
     failed = threading.Event()
 
@@ -45,6 +52,7 @@ def run_wavefront(pieces: int, layers: int, run: PieceRun, pool: ThreadPoolExecu
         def after(i: int) -> None:
             done[p][i].set()
 
+        t0 = clock()
         try:
             return run(p, before, after)
         except BaseException:
@@ -52,6 +60,8 @@ def run_wavefront(pieces: int, layers: int, run: PieceRun, pool: ThreadPoolExecu
             for event in done[p]:
                 event.set()  # the piece behind wakes and sees the failure
             raise
+        finally:
+            busy[p] = clock() - t0
 
     # FIFO: piece p + 2 starts only when p has finished, so a waiting piece's predecessor
     # is always running or done (no deadlock with two threads)
@@ -67,4 +77,4 @@ def run_wavefront(pieces: int, layers: int, run: PieceRun, pool: ThreadPoolExecu
             first = first or exc
     if first is not None:
         raise first
-    return results
+    return results, sum(busy) - (clock() - started)
