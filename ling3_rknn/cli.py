@@ -220,6 +220,10 @@ def _add_convert(commands: Any) -> None:
     conv.add_argument("--w8a8-hybrid-cos", type=float, metavar="COS",
                       help="keep in fp16 the ops whose calibration cosine falls below COS "
                            "(rknn-toolkit2 auto-hybrid; default: everything int8)")
+    conv.add_argument("--npu-experts", action=argparse.BooleanOptionalAction, default=None,
+                      help="write the routed experts' int8 copy for prefill on the NPU "
+                           "(~1.6x the int4 experts' bytes, loaded only on boards with the "
+                           "memory for it: 16/32 GB; default: on for rk3588)")
     conv.add_argument("--no-rknn-build", action="store_true",
                       help="write placeholder .rknn files (host mock tests only)")
     conv.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
