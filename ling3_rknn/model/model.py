@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from .kda import kda_core, kda_decode, prepare_qkv, short_conv
 from .mla import apply_rope, mla_attention, rope_angles
 from .mla_expanded import PREFILL_SCRATCH_BYTES, expanded_attention
 from .moe import ExpertBackend, NumpyExperts, route
+
+if TYPE_CHECKING:
+    from ..npu.matmul_experts import MatmulExpertStore
 from .snapshot_arrays import SnapshotArrays
 from .stages import LayerOutput
 from .state import (
@@ -62,6 +66,8 @@ class Model:
         self.config = config
         self.bundle = bundle  # the bundle it was loaded from (``from_bundle``), else None
         self.npu_graphs = npu_graphs  # its stages run from the bundle's .rknn files
+        # the routed experts' int8 copy in NPU memory for prefill (``from_bundle``), else None
+        self.npu_matmul_experts: MatmulExpertStore | None = None
         self.stages = stages
         self.experts = experts
         self.cpu = cpu
@@ -110,6 +116,7 @@ class Model:
         verify: VerifyMode = "stamped",
         threads: int | None = None,
         latent_dtype: str = "float32",
+        npu_experts: bool = False,
     ) -> Model:
         """Load a converted bundle (a path, or an opened ``Bundle``): stage graphs on
         RKNNLite (the board, or its ONNX-twin mock on a host; ``executor`` = auto |
@@ -118,7 +125,10 @@ class Model:
         (``verify``: stamped | full | size | none, see ``Bundle.verify``). ``threads``
         sizes every CPU pool (routed experts, CPU stage graphs) and pins them; see
         ``ling3_rknn.cpu_threads`` (None: one per big core). ``latent_dtype``: the MLA
-        latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``)."""
+        latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``).
+        ``npu_experts``: prefill pieces run the routed experts' int8 copy on the NPU's
+        matmuls (the bundle must carry it; whether a board can afford it is the memory
+        plan's call, ``ling3_rknn.loading``); decode stays on the CPU experts."""
         runtime_for(executor)  # a bad choice fails before any file is read
         check_latent_dtype(latent_dtype)  # before any file is read, like the executor
         policy = apply_thread_policy(threads)
@@ -128,11 +138,13 @@ class Model:
                 bundle.verify(verify)
         else:
             bundle = Bundle.open(path, verify=verify)
-        parts = load_bundle_parts(bundle, executor, policy.threads)
-        return cls(parts.config, parts.stages, parts.experts, parts.cpu,
-                   threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype,
-                   prefill_chunk=max(parts.stages.chunk_sizes[-1], DEFAULT_PREFILL_CHUNK),
-                   npu_graphs=parts.npu_graphs)
+        parts = load_bundle_parts(bundle, executor, policy.threads, npu_experts=npu_experts)
+        model = cls(parts.config, parts.stages, parts.experts, parts.cpu,
+                    threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype,
+                    prefill_chunk=max(parts.stages.chunk_sizes[-1], DEFAULT_PREFILL_CHUNK),
+                    npu_graphs=parts.npu_graphs)
+        model.npu_matmul_experts = parts.npu_matmul_experts
+        return model
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, self.latent_dtype)
