@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
              "to 2G, what this machine's memory leaves beside the model (see --cache-bytes)",
     )
     serve.add_argument(
+        "--npu-experts", choices=["auto", "on", "off"],
+        help="prefill's routed experts on the NPU from the bundle's int8 copy: auto (where "
+             "the memory allows it: 16 / 32 GB boards), on, off (default: "
+             "$LING3_RKNN_NPU_EXPERTS, else auto)",
+    )
+    serve.add_argument(
         "--verify", choices=["stamped", "full", "size"], default="stamped",
         help="bundle check at start: sha256 of every file, remembered while the files are "
              "unchanged (stamped, default), always (full), or sizes only (size: opt-out)",
@@ -322,6 +328,7 @@ def _engine_options(args: argparse.Namespace) -> LoadOptions:
         max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens,  # 0: no cap but the context
         prefill_scratch_bytes=args.prefill_scratch,
+        npu_experts=args.npu_experts,
     )
 
 

@@ -134,3 +134,41 @@ def test_a_damaged_copy_is_a_typed_error(bundle, tmp_path) -> None:
     (copy / rel).write_bytes(b"not a safetensors file")
     with pytest.raises(ExpertError, match="not a readable safetensors"):
         _model(copy, verify="none", npu_experts=True)
+
+
+@pytest.mark.filterwarnings("ignore::ling3_rknn.bundle.TemplateMismatchWarning")
+def test_loading_takes_the_copy_where_the_memory_plan_allows(bundle, monkeypatch) -> None:
+    from ling3_rknn import loading
+    from ling3_rknn.loading import LoadOptions, npu_experts_choice, npu_experts_setting
+
+    opened = Bundle.open(bundle, verify="size")
+    copy = opened.manifest.npu_matmul_expert_bytes()
+    roomy = {"MemTotal": 16 << 30, "MemAvailable": 15 << 30}
+    tight = {"MemTotal": opened.loaded_bytes(npu_graphs=False) + copy + (1 << 30),
+             "MemAvailable": 1 << 40}
+    monkeypatch.delenv(loading.NPU_EXPERTS_ENV, raising=False)
+    taken = npu_experts_choice(opened, LoadOptions(), meminfo=roomy)
+    assert taken.taken and taken.copy_bytes == copy
+    assert not npu_experts_choice(opened, LoadOptions(), meminfo=tight).taken
+    assert npu_experts_choice(opened, LoadOptions(npu_experts="on"), meminfo=tight).taken
+    monkeypatch.setenv(loading.NPU_EXPERTS_ENV, "off")
+    assert npu_experts_setting(LoadOptions()) is False
+    assert npu_experts_setting(LoadOptions(npu_experts="auto")) is None  # the flag wins
+    assert not npu_experts_choice(opened, LoadOptions(), meminfo=roomy).taken
+    monkeypatch.setenv(loading.NPU_EXPERTS_ENV, "sometimes")
+    with pytest.raises(ValueError, match="auto, on, off"):
+        npu_experts_setting(LoadOptions())
+    monkeypatch.delenv(loading.NPU_EXPERTS_ENV)
+    # serving: the choice loads the copy, and the memory plan counts it and says so
+    monkeypatch.setattr(loading, "machine_memory", lambda: dict(roomy))
+    try:
+        engine = loading.engine_from_bundle(bundle, LoadOptions(npu_experts="on"),
+                                            verify="size")
+    except MatmulError as exc:
+        pytest.skip(f"the matmul stand-in is not built: {exc}")
+    plan = engine.memory_plan
+    assert engine.model.npu_matmul_experts is not None
+    assert plan.npu_experts is not None and plan.npu_experts.taken
+    assert plan.model_bytes == opened.loaded_bytes(npu_graphs=False, npu_matmul_experts=True)
+    assert "int8 copy" in plan.describe() and "loaded (forced on)" in plan.describe()
+    engine.model.npu_matmul_experts.close()
