@@ -105,9 +105,9 @@ class Bundle:
         The routed experts' int8 copy counts only when it is loaded (``npu_matmul_experts``:
         the memory plan's choice)."""
         unused: set[str] = set()
-        spec = self.manifest.npu_matmul_experts
-        if spec is not None and not npu_matmul_experts:
-            unused.update(spec.layers.values())
+        copy = self.manifest.npu_matmul_experts
+        if copy is not None and not npu_matmul_experts:
+            unused.update(copy.layers.values())
         for spec in self.manifest.stages.values():
             if spec.rknn is not None:
                 unused.add(spec.onnx if npu_graphs else spec.rknn)

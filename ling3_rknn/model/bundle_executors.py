@@ -8,6 +8,8 @@ themselves (``ling3_rknn.npu``) know files and graphs, not bundles.
 
 from __future__ import annotations
 
+from typing import cast
+
 from safetensors.numpy import load_file
 
 from ..bundle import PLACEHOLDER_MAGIC, Bundle
@@ -15,6 +17,7 @@ from ..config import ModelConfig
 from ..npu import ExpertError, ExpertExecutor, GraphExecutor, MockRKNNLite, NpuError
 from ..npu.loader import open_graph, open_qmoe_experts, read_int8_experts
 from ..npu.matmul_experts import Int8MatmulExperts, MatmulExpertStore, NpuLayerExperts
+from ..npu.matmul_plan import MatmulRuntime
 from .float_experts import FloatExperts
 
 
@@ -77,7 +80,9 @@ def open_npu_matmul_experts(bundle: Bundle, cfg: ModelConfig, runtime: str | Non
 
     matmul = open_runtime(runtime)
     try:
-        store = MatmulExpertStore(matmul, moe, load, hidden=cfg.hidden_size,
+        # the binding's context takes its own B type (NativeB), so mypy does not see it as
+        # the Protocol's (a parameter narrower than MatmulB); at run time it is the same API
+        store = MatmulExpertStore(cast("MatmulRuntime", matmul), moe, load, hidden=cfg.hidden_size,
                                   intermediate=cfg.moe_intermediate_size,
                                   num_experts=cfg.num_experts)
     except BaseException:

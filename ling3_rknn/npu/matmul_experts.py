@@ -365,13 +365,3 @@ class NpuLayerExperts:
         unsorted = np.empty_like(y)
         unsorted[order] = y
         return unsorted.reshape(t, k, d).sum(axis=1)
-
-
-def open_npu_experts(runtime: MatmulRuntime, layers: Sequence[int],
-                     load: Callable[[int], Int8MatmulExperts], *, hidden: int,
-                     intermediate: int, num_experts: int, top_k: int, **kwargs: object
-                     ) -> tuple[MatmulExpertStore, dict[int, NpuLayerExperts]]:
-    """The store (every B written) and one executor per layer."""
-    store = MatmulExpertStore(runtime, layers, load, hidden=hidden,  # type: ignore[arg-type]
-                              intermediate=intermediate, num_experts=num_experts, **kwargs)
-    return store, {i: NpuLayerExperts(store, i, num_experts, top_k) for i in layers}
