@@ -159,6 +159,12 @@ def test_the_int8_expert_copy_forced_absent_or_unknown_memory() -> None:
     none = choose_npu_experts(copy_bytes=0, force=True, **kw)
     assert not none.taken and "no int8 copy" in none.reason
     assert "none in the bundle" in none.describe()
+    # room for the copy but only one more sequence beside it: the cache and the scratch
+    # need two, so it stays off; with two it is taken
+    edge = (FULL_MODEL + FULL_COPY + FULL_SEQUENCE + RUNTIME_RESERVE) / GIB
+    one, two = (board(edge + n * FULL_SEQUENCE / GIB, 99) for n in (1, 2.01))
+    assert not choose_npu_experts(copy_bytes=FULL_COPY, **{**kw, "meminfo": one}).taken
+    assert choose_npu_experts(copy_bytes=FULL_COPY, **{**kw, "meminfo": two}).taken
     blind = choose_npu_experts(copy_bytes=FULL_COPY, **{**kw, "meminfo": None})
     assert not blind.taken and "not readable" in blind.reason
 
