@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from safetensors.numpy import save_file
 
-from convert.experts_quant import pack_experts
+from convert.experts_quant import pack_experts, pack_matmul_experts
 from convert.options import ConvertError
 from convert.qmoe_graph import write_qmoe_layer
 from ling3_rknn.bundle import (
@@ -73,6 +73,30 @@ def write_experts(writer: BundleWriter, w: CheckpointWeights, layer: int, fmt: s
                      cfg.num_experts_per_tok)
     writer.record(entry["onnx"])
     return entry
+
+
+def npu_experts_path(layer: int) -> str:
+    return f"experts/layer_{layer:02d}.npu.safetensors"
+
+
+def write_npu_experts(writer: BundleWriter, w: CheckpointWeights, layer: int) -> str:
+    """MoE ``layer``'s int8 copy for the NPU's matmuls (``Int8MatmulExperts``), from the
+    checkpoint's float weights (not from the CPU copy: int4 would add its error), one
+    expert at a time."""
+    rel = npu_experts_path(layer)
+    if writer.done(rel):
+        return rel
+    cfg = w.cfg
+    i = cfg.moe_intermediate_size
+
+    def load(x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        gate_up, down = w.expert(layer, x)
+        return gate_up[:i], gate_up[i:], down
+
+    packed = pack_matmul_experts(cfg.num_experts, i, cfg.hidden_size, load)
+    save_file(packed.tensors(), writer.path(rel))
+    writer.record(rel)
+    return rel
 
 
 def write_cpu_weights(writer: BundleWriter, w: CheckpointWeights) -> None:

@@ -30,6 +30,7 @@ def run_convert(args: argparse.Namespace) -> int:
         w8a8_algorithm=args.w8a8_algorithm or DEFAULT_W8A8_ALGORITHM,
         w8a8_hybrid_cos=args.w8a8_hybrid_cos,
         overwrite=args.overwrite, resume=args.resume, progress=sys.stderr.isatty(),
+        npu_experts=args.npu_experts,
     )
     try:
         report = convert(args.hf_dir, args.out_dir, opts)

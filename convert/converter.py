@@ -3,8 +3,9 @@
 Order of work, chosen for memory: (1) calibration runs the float32 numpy model on the
 prompts (dense weights only; experts are read per routed token); (2) the stage graphs are
 built, written and (for rk3588) compiled one stage at a time from that layer's tensors;
-(3) routed experts are quantized one expert at a time into each MoE layer's packed file;
-(4) the CPU weights file; (5) the manifest, written last by the atomic ``BundleWriter``.
+(3) routed experts are quantized one expert at a time into each MoE layer's packed file
+(and, for the NPU's prefill matmuls, its int8 copy); (4) the CPU weights file; (5) the
+manifest, written last by the atomic ``BundleWriter``.
 Peak RAM is the float32 dense weights plus one MoE layer of packed experts, well under
 the bf16 checkpoint.
 """
@@ -23,7 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from convert.bundle_files import expert_block, write_cpu_weights, write_experts
+from convert.bundle_files import (
+    expert_block,
+    write_cpu_weights,
+    write_experts,
+    write_npu_experts,
+)
 from convert.calibration import CalibrationData, calibrate, load_prompts
 from convert.options import ConvertError, ConvertOptions, check_options, stage_quant
 from convert.placement import PlacementReport, default_npu_budget, plan_placement
@@ -36,6 +42,7 @@ from ling3_rknn.bundle import (
     BundleWriter,
     ExpertsSpec,
     Manifest,
+    NpuMatmulExpertsSpec,
     PlacementPlan,
     StageName,
     StageSpec,
@@ -161,7 +168,8 @@ def convert(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         stages: dict[str, StageSpec] = {}
         sw = StageWriter(writer, opts, calib)
         moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-        total = len(names) + len(moe_layers) + 1
+        npu_layers = moe_layers if opts.writes_npu_experts else []
+        total = len(names) + len(moe_layers) + len(npu_layers) + 1
         with _progress(total, "convert", opts.progress) as bar:
             for name in names:
                 stages[name] = sw.write(name, functools.partial(build_stage, w, name, wdtype))
@@ -183,6 +191,10 @@ def convert(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
             experts_layers = {}
             for layer in moe_layers:
                 experts_layers[layer] = write_experts(writer, w, layer, opts.experts, block)
+                bar.update(1)
+            npu_matmul = {}
+            for layer in npu_layers:
+                npu_matmul[layer] = write_npu_experts(writer, w, layer)
                 bar.update(1)
             write_cpu_weights(writer, w)
             bar.update(1)
@@ -213,6 +225,8 @@ def convert(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                                 top_k=cfg.num_experts_per_tok, layers=experts_layers),
             placement=plan,
             files={},  # BundleWriter.commit hashes every file
+            npu_matmul_experts=(NpuMatmulExpertsSpec("int8", npu_matmul) if npu_matmul
+                                else None),
         )
         writer.commit(manifest)
     report.seconds = time.perf_counter() - start

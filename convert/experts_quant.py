@@ -3,6 +3,8 @@
 The runtime only loads the packed arrays (:class:`ling3_rknn.npu.experts.PackedExperts`);
 everything that touches float expert weights lives here. Symmetric round-to-nearest
 absmax per block, the scheme the QMoE CPU kernel implies when no zero points are given.
+The NPU's int8 copy (:class:`ling3_rknn.npu.matmul_experts.Int8MatmulExperts`) is
+symmetric round-to-nearest absmax per output channel, laid out as the matmul's B.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ling3_rknn.npu.experts import PackedExperts
+from ling3_rknn.npu.matmul_experts import Int8MatmulExperts, padded_sizes
 
 _ZERO_POINT = {4: 8, 8: 128}
 _QMAX = {4: 7, 8: 127}
@@ -89,3 +92,48 @@ def dequantize_experts(packed: PackedExperts) -> tuple[np.ndarray, np.ndarray, n
     fc1 = dequantize_rows(packed.fc1_weight, packed.fc1_scales, packed.bits, packed.block_size)
     down = dequantize_rows(packed.fc2_weight, packed.fc2_scales, packed.bits, packed.block_size)
     return fc1[:, 0::2], fc1[:, 1::2], down
+
+
+def quantize_columns(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """B ``[k, n]`` -> (int8 [k, n], float32 scales [n]): symmetric per output channel
+    (column), scale max|b| / 127, round to nearest; an all-zero column gets scale 1."""
+    b = b.astype(np.float32, copy=False)
+    amax = np.abs(b).max(axis=0)
+    scales = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(b / scales), -127, 127).astype(np.int8)
+    return q, scales
+
+
+def pack_matmul_experts(count: int, inter: int, hidden: int,
+                        load: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+                        ) -> Int8MatmulExperts:
+    """The NPU's int8 copy (``Int8MatmulExperts``): ``load(x) -> (gate [I, D], up [I, D],
+    down [D, I])`` of expert ``x``, called once per expert. Each projection becomes the
+    matmul's B [k, n] (the weight transposed), zero-padded to int8's alignment."""
+    dp, ip = padded_sizes(hidden, inter)
+    gate_up = np.zeros((count, dp, 2 * ip), np.int8)
+    gate_up_s = np.ones((count, 2 * ip), np.float32)
+    down = np.zeros((count, ip, dp), np.int8)
+    down_s = np.ones((count, dp), np.float32)
+    for x in range(count):
+        gate, up, dn = load(x)
+        for col, w in ((0, gate), (ip, up)):
+            q, s = quantize_columns(w.T)
+            gate_up[x, :hidden, col:col + inter] = q
+            gate_up_s[x, col:col + inter] = s
+        q, s = quantize_columns(dn.T)
+        down[x, :inter, :hidden] = q
+        down_s[x, :hidden] = s
+    return Int8MatmulExperts(hidden, inter, gate_up, gate_up_s, down, down_s)
+
+
+def dequantize_matmul_experts(packed: Int8MatmulExperts
+                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(gate [E, I, D], up [E, I, D], down [E, D, I]) float32 as the int8 copy holds them."""
+    d, i = packed.hidden, packed.intermediate
+    ip = padded_sizes(d, i)[1]
+    gu = packed.gate_up.astype(np.float32) * packed.gate_up_scales[:, None, :]
+    dn = packed.down.astype(np.float32) * packed.down_scales[:, None, :]
+    gate = gu[:, :d, :i].transpose(0, 2, 1)
+    up = gu[:, :d, ip:ip + i].transpose(0, 2, 1)
+    return gate, up, dn[:, :i, :d].transpose(0, 2, 1)

@@ -57,6 +57,13 @@ class ConvertOptions:
     resume: bool = False
     progress: bool = True
     max_calls_per_token: float = 60.0
+    # the routed experts' int8 copy for prefill on the NPU (its own files beside the CPU
+    # copy; loaded only where the board's memory allows). None: on for rk3588, off for cpu.
+    npu_experts: bool | None = None
+
+    @property
+    def writes_npu_experts(self) -> bool:
+        return self.target == "rk3588" if self.npu_experts is None else self.npu_experts
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
@@ -85,5 +92,7 @@ def check_options(o: ConvertOptions) -> None:
     if any(c <= o.chunk for c in o.more_chunks):
         raise ConvertError(f"more chunk sizes {list(o.more_chunks)} must each be bigger than "
                            f"--chunk {o.chunk}")
+    if o.npu_experts and o.target != "rk3588":
+        raise ConvertError("--npu-experts needs --target rk3588 (the copy is for the NPU)")
     if o.npu_budget is not None and o.npu_budget < 0:
         raise ConvertError("--npu-budget must not be negative")

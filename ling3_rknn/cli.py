@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
              "to 2G, what this machine's memory leaves beside the model (see --cache-bytes)",
     )
     serve.add_argument(
+        "--npu-experts", choices=["auto", "on", "off"],
+        help="prefill's routed experts on the NPU from the bundle's int8 copy: auto (where "
+             "the memory allows it: 16 / 32 GB boards), on, off (default: "
+             "$LING3_RKNN_NPU_EXPERTS, else auto)",
+    )
+    serve.add_argument(
         "--verify", choices=["stamped", "full", "size"], default="stamped",
         help="bundle check at start: sha256 of every file, remembered while the files are "
              "unchanged (stamped, default), always (full), or sizes only (size: opt-out)",
@@ -227,6 +233,10 @@ def _add_convert(commands: Any) -> None:
     conv.add_argument("--w8a8-hybrid-cos", type=float, metavar="COS",
                       help="keep in fp16 the ops whose calibration cosine falls below COS "
                            "(rknn-toolkit2 auto-hybrid; default: everything int8)")
+    conv.add_argument("--npu-experts", action=argparse.BooleanOptionalAction, default=None,
+                      help="write the routed experts' int8 copy for prefill on the NPU "
+                           "(~1.6x the int4 experts' bytes, loaded only on boards with the "
+                           "memory for it: 16/32 GB; default: on for rk3588)")
     conv.add_argument("--no-rknn-build", action="store_true",
                       help="write placeholder .rknn files (host mock tests only)")
     conv.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
@@ -328,6 +338,7 @@ def _engine_options(args: argparse.Namespace) -> LoadOptions:
         default_max_tokens=args.default_max_tokens,  # 0: no cap but the context
         prefill_scratch_bytes=args.prefill_scratch,
         npu_prefill=args.npu_prefill,
+        npu_experts=args.npu_experts,
     )
 
 

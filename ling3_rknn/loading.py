@@ -12,13 +12,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ling3_rknn.memory_plan import MemoryPlan, machine_memory, plan_memory, read_meminfo
+from ling3_rknn.memory_plan import (
+    MemoryPlan,
+    NpuExpertsChoice,
+    choose_npu_experts,
+    machine_memory,
+    plan_memory,
+    read_meminfo,
+)
 
 if TYPE_CHECKING:
+    from ling3_rknn.bundle import Bundle
     from ling3_rknn.engine import Engine, EngineOptions, TokenizerLike
     from ling3_rknn.model import Model
 
@@ -28,6 +37,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_ID = "ling-3.0-tiny"
 # The MLA latent cache grows with the context; 32K fits the CM3588's RAM next to the model.
 DEFAULT_MAX_CONTEXT = 32768
+# auto | on | off: the routed experts' int8 copy for prefill on the NPU (``--npu-experts``;
+# auto: where the memory plan allows it). For tests and measurements.
+NPU_EXPERTS_ENV = "LING3_RKNN_NPU_EXPERTS"
+NPU_EXPERTS_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,7 @@ class LoadOptions:
     grammar_cache_bytes: int | None = None
     prefill_scratch_bytes: int | None = None  # the model's (``Model``), not the engine's
     npu_prefill: str = "auto"  # prefill attention on the NPU: auto | on | off (``mla_npu``)
+    npu_experts: str | None = None  # auto | on | off; None: $LING3_RKNN_NPU_EXPERTS, else auto
 
 
 def engine_options(
@@ -95,9 +109,11 @@ def make_engine(
     generation_config: dict[str, Any] | None = None,
     weights_identity: str | None = None,
     default_model_id: str = DEFAULT_MODEL_ID,
+    npu_experts: NpuExpertsChoice | None = None,
 ) -> Engine:
     """The engine for ``model``: ``options`` (as the CLI collected them) win over what the
-    model brings (see the module docstring)."""
+    model brings (see the module docstring). ``npu_experts``: the int8 expert copy's
+    choice, for the memory plan's report."""
     from ling3_rknn.engine import Engine
 
     resolved = engine_options(
@@ -105,7 +121,7 @@ def make_engine(
         weights_identity=weights_identity, default_model_id=default_model_id)
     # a bundle converted with bigger prefill graphs is fed in pieces of the biggest
     resolved = replace(resolved, prefill_chunk=model.prefill_chunk)
-    plan = memory_plan_for(model, options, resolved.max_context)
+    plan = memory_plan_for(model, options, resolved.max_context, npu_experts=npu_experts)
     log.info("%s", plan.describe())
     for warning in plan.warnings():
         log.warning("memory: %s", warning)
@@ -121,7 +137,8 @@ def make_engine(
 
 
 def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
-                    meminfo: dict[str, int] | None = None) -> MemoryPlan:
+                    meminfo: dict[str, int] | None = None,
+                    npu_experts: NpuExpertsChoice | None = None) -> MemoryPlan:
     """The prefix cache's and the prefill scratch's sizes for this machine
     (``ling3_rknn.memory_plan``): the operator's values, else what the memory left
     beside the model allows, at most the defaults. ``meminfo``: None reads the machine's
@@ -139,7 +156,46 @@ def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
         prefill_scratch_bytes=options.prefill_scratch_bytes,
         default_cache_bytes=DEFAULT_CACHE_BYTES,
         default_prefill_scratch_bytes=PREFILL_SCRATCH_BYTES,
+        npu_experts=npu_experts,
     )
+
+
+def npu_experts_setting(options: LoadOptions) -> bool | None:
+    """``--npu-experts``, else ``$LING3_RKNN_NPU_EXPERTS``: True (on), False (off) or None
+    (auto: the memory plan decides)."""
+    value = options.npu_experts or os.environ.get(NPU_EXPERTS_ENV) or "auto"
+    if value not in NPU_EXPERTS_CHOICES:
+        raise ValueError(f"NPU experts must be one of {', '.join(NPU_EXPERTS_CHOICES)}, got "
+                         f"{value!r} (--npu-experts / ${NPU_EXPERTS_ENV})")
+    return None if value == "auto" else value == "on"
+
+
+def npu_experts_choice(bundle: Bundle, options: LoadOptions, latent_dtype: str = "float32",
+                       meminfo: dict[str, int] | None = None) -> NpuExpertsChoice:
+    """Whether ``bundle``'s int8 expert copy is loaded (``memory_plan.choose_npu_experts``),
+    decided before the model loads: the bundle's other bytes, one sequence at the context
+    limit the engine will use, the machine's memory (``meminfo``: None reads it). On auto,
+    a machine without the matmul library keeps the CPU experts (with the reason)."""
+    from ling3_rknn.config import ModelConfig
+    from ling3_rknn.model.state import StateLayout
+
+    force = npu_experts_setting(options)
+    cfg = ModelConfig.from_dict(bundle.manifest.model_config)
+    max_context = engine_options(options, cfg.max_position_embeddings).max_context
+    choice = choose_npu_experts(
+        copy_bytes=bundle.manifest.npu_matmul_expert_bytes(),
+        model_bytes=bundle.loaded_bytes(npu_graphs=False),
+        sequence_bytes=StateLayout.from_config(cfg, latent_dtype).nbytes(max_context),
+        meminfo=machine_memory() if meminfo is None else meminfo, force=force)
+    if choice.taken and force is None:
+        from ling3_rknn.npu.matmul import resolve_library
+        from ling3_rknn.npu.matmul_plan import MatmulError
+
+        try:
+            resolve_library()
+        except MatmulError as exc:
+            return replace(choice, taken=False, reason=f"no NPU matmul library: {exc}")
+    return choice
 
 
 def _model_bytes(model: Model) -> int:
@@ -148,7 +204,9 @@ def _model_bytes(model: Model) -> int:
     the process's resident memory now (an HF checkpoint's numpy model; this counts the
     Python runtime too, which ``RUNTIME_RESERVE`` also covers: an overestimate)."""
     if model.bundle is not None:
-        return model.bundle.loaded_bytes(npu_graphs=model.npu_graphs)
+        return model.bundle.loaded_bytes(
+            npu_graphs=model.npu_graphs,
+            npu_matmul_experts=model.npu_matmul_experts is not None)
     status = read_meminfo(Path("/proc/self/status")) or {}
     return status.get("VmRSS", 0)
 
@@ -215,13 +273,17 @@ def engine_from_bundle(bundle_dir: Path, options: LoadOptions, *,
     tokenizer = Tokenizer.from_file(bundle.path(bundle.manifest.tokenizer))
     # The manifest holds the sha256 of every file, so its own hash names the weights.
     identity = hashlib.sha256((bundle.root / "manifest.json").read_bytes()).hexdigest()
+    npu_experts = npu_experts_choice(bundle, options, latent_dtype)
+    log.info("%s", npu_experts.describe())
     return make_engine(
         # opened and verified just above
         Model.from_bundle(bundle, verify="none", latent_dtype=latent_dtype,
-                          npu_prefill=options.npu_prefill),  # type: ignore[arg-type]
+                          npu_prefill=options.npu_prefill,  # type: ignore[arg-type]
+                          npu_experts=npu_experts.taken),
         tokenizer,
         options,
         generation_config=bundle.manifest.generation_config,
         weights_identity=f"bundle:{identity}",
         default_model_id=default_model_id,
+        npu_experts=npu_experts,
     )

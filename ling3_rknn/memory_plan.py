@@ -21,6 +21,13 @@ share goes to the other; the cache first gets what one sequence at the context l
 kept at all) when ``spare`` has it. Values the operator set are kept as given (a warning
 says when they exceed ``spare``). Where ``/proc/meminfo`` lacks the figures (not Linux) the
 defaults stand.
+
+A third consumer is decided before the model loads: the routed experts' int8 copy for
+prefill on the NPU (``choose_npu_experts``; ~6.9 GB for Ling-3.0-tiny, NPU memory being the
+board's own RAM). It is taken when, after the model and the copy, one sequence at the
+context limit and the runtime reserve, the cache and the prefill scratch still get at least
+one sequence at the context limit each: a 16 or 32 GB CM3588 takes it, a 4 or 8 GB one
+keeps the routed experts on the CPU only (docs/performance.md, "What a board cannot spare").
 """
 
 from __future__ import annotations
@@ -111,6 +118,46 @@ def capped_by_cgroup(info: Mapping[str, int], limited: tuple[int, int] | None
 
 
 @dataclass(frozen=True)
+class NpuExpertsChoice:
+    """Whether the routed experts' int8 copy is loaded for prefill on the NPU, and why."""
+
+    copy_bytes: int  # the copy's size in the bundle (0: the bundle has none)
+    taken: bool
+    reason: str
+
+    def describe(self) -> str:
+        if not self.copy_bytes:
+            return "NPU experts: none in the bundle (routed experts on the CPU)"
+        return (f"NPU experts: int8 copy {_gib(self.copy_bytes)} "
+                f"{'loaded' if self.taken else 'not loaded'} ({self.reason})")
+
+
+def choose_npu_experts(*, copy_bytes: int, model_bytes: int, sequence_bytes: int,
+                       meminfo: Mapping[str, int] | None, force: bool | None = None
+                       ) -> NpuExpertsChoice:
+    """Take the int8 copy (``copy_bytes``) beside a model of ``model_bytes`` when the
+    machine keeps, after both, one sequence at the context limit, the runtime reserve and
+    two more such sequences (the prefix cache's one snapshot, the prefill scratch's rows);
+    ``force`` True / False decides instead (for tests and measurements)."""
+    if not copy_bytes:
+        return NpuExpertsChoice(0, False, "the bundle has no int8 copy")
+    if force is not None:
+        return NpuExpertsChoice(copy_bytes, force, f"forced {'on' if force else 'off'}")
+    total = meminfo.get("MemTotal") if meminfo else None
+    available = meminfo.get("MemAvailable") if meminfo else None
+    if total is None or available is None:
+        return NpuExpertsChoice(copy_bytes, False, "the machine's memory is not readable")
+    left = (min(available, total) - model_bytes - copy_bytes - sequence_bytes
+            - RUNTIME_RESERVE)
+    need = 2 * sequence_bytes
+    if left >= need:
+        return NpuExpertsChoice(copy_bytes, True, f"{_gib(left)} left beside it")
+    return NpuExpertsChoice(copy_bytes, False,
+                            f"{_gib(max(left, 0))} would be left beside it, under the "
+                            f"{_gib(need)} the cache and the prefill scratch need")
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """The sizes the process runs with, and the figures they came from."""
 
@@ -123,6 +170,7 @@ class MemoryPlan:
     sequence_bytes: int
     auto: tuple[str, ...]  # which of the two were sized here ("cache", "prefill scratch")
     over_by: int = 0  # how far the operator's values exceed ``spare_bytes``
+    npu_experts: NpuExpertsChoice | None = None  # the int8 expert copy (in model_bytes if taken)
 
     def warnings(self) -> list[str]:
         """What an operator should know about these sizes (empty when all is well)."""
@@ -142,6 +190,8 @@ class MemoryPlan:
         """One log line: the sizes, which were chosen here, and from what."""
         sizes = (f"prefix cache {_gib(self.cache_bytes)} in memory, prefill scratch "
                  f"{_gib(self.prefill_scratch_bytes)}")
+        if self.npu_experts is not None:
+            sizes += f"; {self.npu_experts.describe()}"
         if self.spare_bytes is None:
             return (f"memory: {sizes} (the defaults: MemTotal and MemAvailable are not readable "
                     "here)")
@@ -162,8 +212,11 @@ def plan_memory(
     prefill_scratch_bytes: int | None,
     default_cache_bytes: int,
     default_prefill_scratch_bytes: int,
+    npu_experts: NpuExpertsChoice | None = None,
 ) -> MemoryPlan:
-    """The sizes for the consumers left ``None`` (see the module docstring)."""
+    """The sizes for the consumers left ``None`` (see the module docstring).
+    ``npu_experts``: the int8 copy's choice, carried into the plan's report (its bytes are
+    already in ``model_bytes`` when it was taken)."""
     total = meminfo.get("MemTotal") if meminfo else None
     available = meminfo.get("MemAvailable") if meminfo else None
     if total is None or available is None:
@@ -172,7 +225,8 @@ def plan_memory(
             prefill_scratch_bytes=(default_prefill_scratch_bytes
                                    if prefill_scratch_bytes is None else prefill_scratch_bytes),
             spare_bytes=None, total_bytes=total, available_bytes=available,
-            model_bytes=model_bytes, sequence_bytes=sequence_bytes, auto=())
+            model_bytes=model_bytes, sequence_bytes=sequence_bytes, auto=(),
+            npu_experts=npu_experts)
     spare = max(0, min(available, total - model_bytes) - sequence_bytes - RUNTIME_RESERVE)
     fixed = (cache_bytes or 0) + (prefill_scratch_bytes or 0)
     free = max(0, spare - fixed)
@@ -196,7 +250,7 @@ def plan_memory(
     return MemoryPlan(cache_bytes=cache, prefill_scratch_bytes=scratch, spare_bytes=spare,
                       total_bytes=total, available_bytes=available, model_bytes=model_bytes,
                       sequence_bytes=sequence_bytes, auto=tuple(auto),
-                      over_by=max(0, fixed - spare))
+                      over_by=max(0, fixed - spare), npu_experts=npu_experts)
 
 
 def _gib(n: int) -> str:

@@ -12,6 +12,7 @@ import pytest
 
 from ling3_rknn.bundle import (
     FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
     STAMP,
     Bundle,
     BundleError,
@@ -262,7 +263,8 @@ def test_full_verification_streams_with_progress(bundle_dir):
 
 
 @pytest.mark.parametrize("version,match", [
-    (FORMAT_VERSION + 1, "newer"), (FORMAT_VERSION - 1, "re-convert"), (0, "re-convert"),
+    (FORMAT_VERSION + 1, "newer"), (min(READABLE_FORMAT_VERSIONS) - 1, "re-convert"),
+    (0, "re-convert"),
     ("1", "re-convert"), (None, "None"),
     (True, "re-convert"),
 ])
@@ -270,6 +272,83 @@ def test_other_format_versions(bundle_dir, version, match):
     edit_manifest(bundle_dir, lambda m: m.__setitem__("format_version", version))
     with pytest.raises(FormatVersionError, match=match):
         Bundle.open(bundle_dir)
+
+
+def _with_npu_copy(target: Path, version: int = FORMAT_VERSION) -> Path:
+    body = {**manifest_body(), "npu_matmul_experts": {
+        "format": "int8", "layers": {"1": "experts/layer1.npu.safetensors"}}}
+    with BundleWriter(target) as w:
+        for rel, data in (("tokenizer.json", b"{}"), ("chat_template.jinja", TEMPLATE),
+                          ("weights.safetensors", b"W" * 1000),
+                          ("stages/layer0.in.onnx", b"onnx-bytes"),
+                          ("stages/layer0.in.rknn", b"rknn-bytes!"),
+                          ("experts/layer1.safetensors", b"E" * 5000),
+                          ("experts/layer1.onnx", b"qmoe"),
+                          ("experts/layer1.npu.safetensors", b"N" * 8000)):
+            w.write_bytes(rel, data)
+        root = w.commit(body)
+    edit_manifest(root, lambda m: m.__setitem__("format_version", version))
+    return root
+
+
+def test_npu_copy_round_trip_and_its_bytes(tmp_path):
+    b = Bundle.open(_with_npu_copy(tmp_path / "b"), verify="full")
+    spec = b.manifest.npu_matmul_experts
+    assert spec is not None and spec.format == "int8"
+    assert spec.layers == {1: "experts/layer1.npu.safetensors"}
+    assert b.manifest.npu_matmul_expert_bytes() == 8000
+    # the copy counts in what loading brings into memory only when it is taken
+    assert b.loaded_bytes(npu_graphs=True, npu_matmul_experts=True) == \
+        b.loaded_bytes(npu_graphs=True) + 8000
+    again = json.loads(json.dumps(b.manifest.to_json()))
+    assert Bundle(b.root, b.manifest.from_json(again)).manifest == b.manifest
+
+
+def test_a_version_2_bundle_loads_without_the_copy_and_may_not_name_one(bundle_dir, tmp_path):
+    edit_manifest(bundle_dir, lambda m: m.__setitem__("format_version", 2))
+    m = Bundle.open(bundle_dir).manifest
+    assert m.format_version == 2 and m.npu_matmul_experts is None
+    assert m.npu_matmul_expert_bytes() == 0
+    with pytest.raises(ManifestError, match="npu_matmul_experts"):
+        Bundle.open(_with_npu_copy(tmp_path / "v2", version=2))
+
+
+@pytest.mark.parametrize("edit,match", [
+    ("format", "int8"),
+    ("layers", "at least one layer"),
+    ("key", "layer indices"),
+    ("unlisted", "not listed in files"),
+    ("no-cpu", "no CPU experts"),
+])
+def test_bad_npu_copy_entries(tmp_path, edit, match):
+    root = _with_npu_copy(tmp_path / "b")
+
+    def fn(m):
+        entry = m["npu_matmul_experts"]
+        if edit == "format":
+            entry["format"] = "int4"
+        elif edit == "layers":
+            entry["layers"] = {}
+        elif edit == "key":
+            entry["layers"] = {"x": "experts/layer1.npu.safetensors"}
+        elif edit == "unlisted":
+            entry["layers"] = {"1": "experts/other.npu.safetensors"}
+        else:
+            entry["layers"]["2"] = "experts/layer1.npu.safetensors"
+
+    edit_manifest(root, fn)
+    with pytest.raises(ManifestError, match=match):
+        Bundle.open(root, verify="none")
+
+
+def test_a_corrupt_or_missing_npu_copy_is_a_typed_error(tmp_path):
+    root = _with_npu_copy(tmp_path / "b")
+    (root / "experts/layer1.npu.safetensors").write_bytes(b"M" * 8000)
+    with pytest.raises(FileCorruptError, match=r"layer1\.npu\.safetensors"):
+        Bundle.open(root, verify="full")
+    (root / "experts/layer1.npu.safetensors").unlink()
+    with pytest.raises(MissingFileError, match=r"layer1\.npu\.safetensors"):
+        Bundle.open(root, verify="size")
 
 
 def test_manifest_not_json(bundle_dir):

@@ -283,3 +283,27 @@ def test_a_graph_that_does_not_load_is_a_failure(tmp_path, lite2_installed, monk
     assert not report.ready
     assert by_name(report)["graphs"].detail == "0 of 9 loaded on the NPU"
     assert "does not load on core" in by_name(report)["graph final"].detail
+
+
+def test_memory_says_whether_the_int8_expert_copy_is_loaded(tmp_path):
+    """The full model on a 16 GB board takes the copy, on an 8 GB one not."""
+    gib = 2**30
+    model, copy, seq = int(5.33 * gib), 23 * 128 * 2_369_536, int(0.44 * gib)
+
+    def cm3588(name: str, total_gib: float, available_gib: float) -> SysRoot:
+        root = fake_board(tmp_path / name)
+        (root / "proc" / "meminfo").write_text(
+            f"MemTotal: {int(total_gib * GIB_KB)} kB\n"
+            f"MemAvailable: {int(available_gib * GIB_KB)} kB\n")
+        return SysRoot(root)
+
+    big = host.memory(cm3588("16", 15.6, 15.0), model, seq, npu_copy=copy)
+    assert big.status == "ok", big.detail
+    assert big.data["npu_experts_taken"] and big.data["npu_experts_bytes"] == copy
+    assert f"int8 copy for the NPU ({copy / gib:.2f} GiB) is loaded" in big.detail
+    # beside the copy the cache and the scratch get 0.88 GiB each, not 2
+    assert big.data["cache_bytes"] == pytest.approx(0.88 * gib, abs=0.02 * gib)
+    small = host.memory(cm3588("8", 7.7, 7.2), model, seq, npu_copy=copy)
+    assert not small.data["npu_experts_taken"] and "is not loaded" in small.detail
+    none = host.memory(cm3588("n", 15.6, 15.0), model, seq)
+    assert none.data["npu_experts_bytes"] == 0 and "int8 copy" not in none.detail

@@ -14,6 +14,7 @@ from ling3_rknn.loading import LoadOptions
 from ling3_rknn.memory_plan import (
     RUNTIME_RESERVE,
     cgroup_memory,
+    choose_npu_experts,
     parse_meminfo,
     plan_memory,
     read_meminfo,
@@ -119,6 +120,53 @@ def test_no_spare_memory_means_no_cache_and_no_scratch() -> None:
     plan = plan_memory(model_bytes=int(7.5 * GIB), sequence_bytes=0, meminfo=board(7.7, 0.5),
                        cache_bytes=None, prefill_scratch_bytes=None, **DEFAULTS)
     assert (plan.spare_bytes, plan.cache_bytes, plan.prefill_scratch_bytes) == (0, 0, 0)
+
+
+# Ling-3.0-tiny at full size: the bundle's other files, the routed experts' int8 copy (23
+# layers x 128 experts x (1536 x 1024 + 512 x 1536 int8 + 4 x (1024 + 1536) of scales), one
+# 32K sequence
+FULL_MODEL, FULL_COPY, FULL_SEQUENCE = int(5.33 * GIB), 23 * 128 * 2_369_536, int(0.44 * GIB)
+# (MemTotal, MemAvailable before loading) of each CM3588 size, GiB
+BOARDS = {4: (3.8, 3.5), 8: (7.7, 7.2), 16: (15.6, 15.0), 32: (31.3, 30.5)}
+
+
+@pytest.mark.parametrize("size,taken,cache_gib", [
+    (4, False, 0.0), (8, False, 0.44), (16, True, 0.88), (32, True, 2.0)])
+def test_the_int8_expert_copy_per_board_size(size, taken, cache_gib) -> None:
+    """16 and 32 GB boards load the copy (~6.5 GiB); 4 and 8 GB keep the CPU experts."""
+    total, available = BOARDS[size]
+    choice = choose_npu_experts(copy_bytes=FULL_COPY, model_bytes=FULL_MODEL,
+                                sequence_bytes=FULL_SEQUENCE, meminfo=board(total, available))
+    assert choice.taken is taken, choice.reason
+    model = FULL_MODEL + (FULL_COPY if taken else 0)
+    after = board(total, max(0.0, available - model / GIB))
+    plan = plan_memory(model_bytes=model, sequence_bytes=FULL_SEQUENCE, meminfo=after,
+                       cache_bytes=None, prefill_scratch_bytes=None, npu_experts=choice,
+                       **DEFAULTS)
+    # what the copy leaves the cache (the scratch gets as much): the plan's report
+    assert plan.cache_bytes / GIB == pytest.approx(cache_gib, abs=0.02)
+    assert f"int8 copy {FULL_COPY / GIB:.2f} GiB {'loaded' if taken else 'not loaded'}" in \
+        plan.describe()
+    if taken:  # the cache still keeps a snapshot at the context limit
+        assert plan.cache_bytes >= FULL_SEQUENCE and not plan.warnings()
+
+
+def test_the_int8_expert_copy_forced_absent_or_unknown_memory() -> None:
+    kw = dict(model_bytes=FULL_MODEL, sequence_bytes=FULL_SEQUENCE, meminfo=board(7.7, 7.2))
+    assert choose_npu_experts(copy_bytes=FULL_COPY, force=True, **kw).taken
+    assert not choose_npu_experts(copy_bytes=FULL_COPY, force=False,
+                                  **{**kw, "meminfo": board(31.3, 30.5)}).taken
+    none = choose_npu_experts(copy_bytes=0, force=True, **kw)
+    assert not none.taken and "no int8 copy" in none.reason
+    assert "none in the bundle" in none.describe()
+    # room for the copy but only one more sequence beside it: the cache and the scratch
+    # need two, so it stays off; with two it is taken
+    edge = (FULL_MODEL + FULL_COPY + FULL_SEQUENCE + RUNTIME_RESERVE) / GIB
+    one, two = (board(edge + n * FULL_SEQUENCE / GIB, 99) for n in (1, 2.01))
+    assert not choose_npu_experts(copy_bytes=FULL_COPY, **{**kw, "meminfo": one}).taken
+    assert choose_npu_experts(copy_bytes=FULL_COPY, **{**kw, "meminfo": two}).taken
+    blind = choose_npu_experts(copy_bytes=FULL_COPY, **{**kw, "meminfo": None})
+    assert not blind.taken and "not readable" in blind.reason
 
 
 def test_without_meminfo_the_defaults_stand() -> None:

@@ -509,8 +509,8 @@ def test_bench_times_the_prefill_plans_shapes(monkeypatch):
     from ling3_rknn.bench import npu_matmul
 
     shapes = npu_matmul.plan_shapes()
-    assert shapes["attn_qk"] == MatmulShape(256, 192, 2048, "fp16")
-    assert shapes["attn_pv"] == MatmulShape(256, 2048, 128, "fp16")
+    assert shapes["attn_qk"] == MatmulShape(1024, 192, 2048, "fp16")  # mla_npu.py's
+    assert shapes["attn_pv"] == MatmulShape(1024, 2048, 128, "fp16")
     for m in (16, 32, 64, 128, 256):
         assert shapes[f"expert_gate_up_m{m}"] == MatmulShape(m, 1536, 1024, "int8")
         assert shapes[f"expert_down_m{m}"] == MatmulShape(m, 512, 1536, "int8")

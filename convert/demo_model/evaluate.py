@@ -187,7 +187,8 @@ def load_model(hf: Path | None, bundle: Path | None, npu_prefill: str = "auto"
                 read_generation_config(hf / "generation_config.json"))
     assert bundle is not None
     opened = Bundle.open(bundle)
-    return (Model.from_bundle(opened, verify="none", npu_prefill=npu_prefill),
+    return (Model.from_bundle(opened, verify="none",
+                              npu_prefill=npu_prefill),  # type: ignore[arg-type]
             Tokenizer.from_file(opened.path(opened.manifest.tokenizer)),
             opened.manifest.generation_config)
 

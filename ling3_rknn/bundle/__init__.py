@@ -29,10 +29,12 @@ from .format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    NPU_MATMUL_EXPERT_FORMATS,
     NPU_QUANT_TYPES,
     PLACEHOLDER_MAGIC,
     QMOE_FORMATS,
     QUANT_TYPES,
+    READABLE_FORMAT_VERSIONS,
     STAGE_QUANTS,
     TARGETS,
     WEIGHTS_FILE,
@@ -42,7 +44,14 @@ from .format import (
     mla_key_basis_key,
     mla_value_basis_key,
 )
-from .manifest import ExpertsSpec, FileEntry, Manifest, PlacementPlan, StageSpec
+from .manifest import (
+    ExpertsSpec,
+    FileEntry,
+    Manifest,
+    NpuMatmulExpertsSpec,
+    PlacementPlan,
+    StageSpec,
+)
 from .reader import STAMP, Bundle, VerifyMode, sha256_file
 from .writer import BundleWriter
 
@@ -54,10 +63,12 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "NPU_MATMUL_EXPERT_FORMATS",
     "NPU_QUANT_TYPES",
     "PLACEHOLDER_MAGIC",
     "QMOE_FORMATS",
     "QUANT_TYPES",
+    "READABLE_FORMAT_VERSIONS",
     "STAGE_QUANTS",
     "STAMP",
     "TARGETS",
@@ -75,6 +86,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "MissingFileError",
+    "NpuMatmulExpertsSpec",
     "PlacementPlan",
     "StageName",
     "StageSpec",

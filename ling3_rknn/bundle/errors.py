@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .format import FORMAT_VERSION
+from .format import FORMAT_VERSION, READABLE_FORMAT_VERSIONS
 
 
 class BundleError(Exception):
@@ -31,7 +31,8 @@ class FormatVersionError(BundleError):
                 if isinstance(found, int) and found > FORMAT_VERSION
                 else "re-convert the checkpoint with this version")
         super().__init__(f"bundle format version {found!r} is not supported "
-                         f"(this runtime reads version {FORMAT_VERSION}): {hint}")
+                         f"(this runtime reads versions "
+                         f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}): {hint}")
         self.found = found
 
 

@@ -15,7 +15,10 @@ from typing import Literal
 
 FORMAT = "ling3-rknn-bundle"
 # 2: KDA output stages take ``core_normed`` (the CPU does o_norm's scale-free half)
-FORMAT_VERSION = 2
+# 3: the optional int8 copy of the routed experts for NPU matmuls (``npu_matmul_experts``)
+FORMAT_VERSION = 3
+# Versions this runtime reads: a version-2 bundle is a version-3 one without the copy.
+READABLE_FORMAT_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 # An NPU graph (a stage with an .rknn) is fp16 or w8a8; fp32 and MatMulNBits int8/int4 exist
 # only as ONNX graphs run by onnxruntime (--target cpu).
@@ -27,6 +30,9 @@ TARGETS = ("rk3588", "cpu")
 STAGE_QUANTS = {"rk3588": NPU_QUANT_TYPES, "cpu": CPU_QUANT_TYPES}
 EXPERT_FORMATS = ("int4", "int8", "fp16")
 QMOE_FORMATS = ("int4", "int8")  # expert formats run by onnxruntime's QMoE kernel
+# The routed experts' second copy for prefill on the NPU's matmul API: int8 weights with a
+# float32 scale per output channel, laid out as the matmul's B [k, n] (docs/bundle-format.md)
+NPU_MATMUL_EXPERT_FORMATS = ("int8",)
 # The placement plan's core masks: the names ``ling3_rknn.npu.CORE_MASKS`` maps to RKNNLite's
 # NPU_CORE_* values (npu and bundle never import each other; a test holds the two equal).
 CORE_MASK_NAMES = ("auto", "0", "1", "2", "0_1", "0_1_2", "all")

@@ -14,9 +14,10 @@ from .format import (
     CORE_MASK_NAMES,
     EXPERT_FORMATS,
     FORMAT,
-    FORMAT_VERSION,
+    NPU_MATMUL_EXPERT_FORMATS,
     NPU_QUANT_TYPES,
     QUANT_TYPES,
+    READABLE_FORMAT_VERSIONS,
     TARGETS,
 )
 from .json_reader import JsonReader, check_relpath, shape_sets_of
@@ -61,6 +62,16 @@ class ExpertsSpec:
 
 
 @dataclass(frozen=True)
+class NpuMatmulExpertsSpec:
+    """The routed experts' int8 copy for prefill on the NPU (format version 3): one
+    safetensors file per MoE layer, beside the CPU copy of ``ExpertsSpec``. The runtime
+    loads it only where the memory plan allows (``ling3_rknn.memory_plan``)."""
+
+    format: str
+    layers: dict[int, str]  # layer index -> relative path of its .npu.safetensors
+
+
+@dataclass(frozen=True)
 class PlacementPlan:
     """Where work runs; data, so it can be re-tuned from board measurements."""
 
@@ -86,6 +97,7 @@ class Manifest:
     placement: PlacementPlan
     files: dict[str, FileEntry]
     created_by: str = ""
+    npu_matmul_experts: NpuMatmulExpertsSpec | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -113,6 +125,10 @@ class Manifest:
                 "top_k": self.experts.top_k,
                 "layers": {str(k): dict(v) for k, v in sorted(self.experts.layers.items())},
             },
+            **({} if self.npu_matmul_experts is None else {"npu_matmul_experts": {
+                "format": self.npu_matmul_experts.format,
+                "layers": {str(k): v for k, v in sorted(self.npu_matmul_experts.layers.items())},
+            }}),
             "placement": {
                 "stage_cores": dict(self.placement.stage_cores),
                 "npu_experts": {str(k): list(v) for k, v in
@@ -141,6 +157,14 @@ class Manifest:
             for layer, entry in self.experts.layers.items():
                 for role, rel in entry.items():
                     yield f"experts.layers.{layer}.{role}", rel
+        if self.npu_matmul_experts is not None:
+            for layer, rel in self.npu_matmul_experts.layers.items():
+                yield f"npu_matmul_experts.layers.{layer}", rel
+
+    def npu_matmul_expert_bytes(self) -> int:
+        """Bytes of the int8 copy's files (0 without one): what taking it costs in memory."""
+        spec = self.npu_matmul_experts
+        return 0 if spec is None else sum(self.files[rel].size for rel in spec.layers.values())
 
 
 def _parse_manifest(data: object) -> Manifest:
@@ -149,11 +173,12 @@ def _parse_manifest(data: object) -> Manifest:
     if fmt != FORMAT:
         raise ManifestError("format", f"{fmt!r} is not a {FORMAT}")
     version = root.data.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
         raise FormatVersionError(version)
-    root.only("format", "format_version", "created_by", "target", "model_config",
-              "generation_config", "chunk_sizes", "tokenizer", "chat_template", "weights",
-              "stages", "experts", "placement", "files")
+    keys = ["format", "format_version", "created_by", "target", "model_config",
+            "generation_config", "chunk_sizes", "tokenizer", "chat_template", "weights",
+            "stages", "experts", "placement", "files"]
+    root.only(*keys, *(["npu_matmul_experts"] if version >= 3 else []))
 
     files: dict[str, FileEntry] = {}
     files_r = root.obj("files")
@@ -218,6 +243,8 @@ def _parse_manifest(data: object) -> Manifest:
         experts = ExpertsSpec(ex.choice("format", EXPERT_FORMATS), ex.int_("block_size", 1),
                               ex.int_("top_k", 1), layers)
 
+    npu_matmul = _npu_matmul_experts(root.obj("npu_matmul_experts", optional=True))
+
     pl = root.obj("placement")
     pl.only("stage_cores", "npu_experts", "npu_budget_bytes")
     cores_r = pl.obj("stage_cores")
@@ -235,6 +262,11 @@ def _parse_manifest(data: object) -> Manifest:
         npu_experts[int(key)] = tuple(ids)
     budget = pl.get("npu_budget_bytes", int, optional=True)
 
+    if npu_matmul is not None and experts is not None:
+        extra = sorted(set(npu_matmul.layers) - set(experts.layers))
+        if extra:
+            raise ManifestError("npu_matmul_experts.layers",
+                                f"layers {extra} have no CPU experts (the copy is a second one)")
     manifest = Manifest(
         format_version=version,
         target=root.choice("target", TARGETS),
@@ -251,6 +283,7 @@ def _parse_manifest(data: object) -> Manifest:
         placement=PlacementPlan(stage_cores, npu_experts, budget),
         files=files,
         created_by=root.get("created_by", str, optional=True) or "",
+        npu_matmul_experts=npu_matmul,
     )
     for key, rel in manifest.referenced_files():
         if rel not in files:
@@ -265,3 +298,19 @@ def _parse_manifest(data: object) -> Manifest:
             files[manifest.chat_template].sha256 != manifest.chat_template_sha256:
         raise ManifestError("chat_template.sha256", "disagrees with files entry")
     return manifest
+
+
+def _npu_matmul_experts(r: JsonReader | None) -> NpuMatmulExpertsSpec | None:
+    if r is None:
+        return None
+    r.only("format", "layers")
+    layers_r = r.obj("layers")
+    layers: dict[int, str] = {}
+    for key in layers_r.data:
+        if not key.isdigit():
+            raise ManifestError(f"npu_matmul_experts.layers.{key}",
+                                "layer keys are layer indices")
+        layers[int(key)] = layers_r.relpath(key)
+    if not layers:
+        raise ManifestError("npu_matmul_experts.layers", "expected at least one layer")
+    return NpuMatmulExpertsSpec(r.choice("format", NPU_MATMUL_EXPERT_FORMATS), layers)

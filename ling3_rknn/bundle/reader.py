@@ -98,11 +98,16 @@ class Bundle:
             raise MissingFileError(relpath)
         return self.root / relpath
 
-    def loaded_bytes(self, npu_graphs: bool) -> int:
+    def loaded_bytes(self, npu_graphs: bool, npu_matmul_experts: bool = False) -> int:
         """What loading the bundle brings into memory: every file but the stage graphs the
         runtime leaves on disk. An rk3588 bundle holds each stage twice, as ``.rknn`` for
-        the NPU and as its ONNX twin for a host's mock; ``npu_graphs`` says which is read."""
+        the NPU and as its ONNX twin for a host's mock; ``npu_graphs`` says which is read.
+        The routed experts' int8 copy counts only when it is loaded (``npu_matmul_experts``:
+        the memory plan's choice)."""
         unused: set[str] = set()
+        copy = self.manifest.npu_matmul_experts
+        if copy is not None and not npu_matmul_experts:
+            unused.update(copy.layers.values())
         for spec in self.manifest.stages.values():
             if spec.rknn is not None:
                 unused.add(spec.onnx if npu_graphs else spec.rknn)

@@ -84,7 +84,8 @@ def diagnose(bundle_path: Path, quick: bool, sys_root: SysRoot, *,
     add(bundle_checks)
     need = bundle.loaded_bytes(npu_graphs=on_board) if bundle is not None else None
     add(_guarded("memory", lambda: host.memory(
-        sys_root, need, graphs.sequence_bytes(bundle) if bundle is not None else 0)))
+        sys_root, need, graphs.sequence_bytes(bundle) if bundle is not None else 0,
+        bundle.manifest.npu_matmul_expert_bytes() if bundle is not None else 0)))
     if bundle is None or quick:
         add([Check("graphs", "skip", "--quick" if quick else "no bundle")])
         return report

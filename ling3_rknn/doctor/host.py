@@ -11,7 +11,13 @@ from pathlib import Path
 from ling3_rknn.doctor.report import Check
 from ling3_rknn.doctor.sysfs import SysRoot
 from ling3_rknn.engine.options import DEFAULT_CACHE_BYTES
-from ling3_rknn.memory_plan import capped_by_cgroup, cgroup_memory, parse_meminfo, plan_memory
+from ling3_rknn.memory_plan import (
+    capped_by_cgroup,
+    cgroup_memory,
+    choose_npu_experts,
+    parse_meminfo,
+    plan_memory,
+)
 from ling3_rknn.model import native, native_build
 from ling3_rknn.model.mla_expanded import PREFILL_SCRATCH_BYTES
 
@@ -71,10 +77,12 @@ def meminfo(sys: SysRoot) -> dict[str, int]:
     return parse_meminfo(sys.read(MEMINFO) or "")
 
 
-def memory(sys: SysRoot, need: int | None, sequence: int = 0) -> Check:
+def memory(sys: SysRoot, need: int | None, sequence: int = 0, npu_copy: int = 0) -> Check:
     """Total memory must hold the bundle; available memory below it means paging. With a
     bundle, also what ``serve`` will give the prefix cache and the prefill scratch at its
-    defaults (``memory_plan``; ``sequence``: one sequence's state at the default context)."""
+    defaults (``memory_plan``; ``sequence``: one sequence's state at the default context),
+    and whether it loads the routed experts' int8 copy for the NPU (``npu_copy`` bytes, not
+    in ``need``)."""
     # In the unit's ExecStartPre the doctor shares the service's cgroup, so its MemoryMax=
     # caps these figures as it will cap serve's.
     limited = cgroup_memory(sys.path("proc/self/cgroup"), sys.path("sys/fs/cgroup"))
@@ -106,15 +114,22 @@ def memory(sys: SysRoot, need: int | None, sequence: int = 0) -> Check:
                      fix="stop other services (free -h; systemctl list-units --type=service)",
                      data=data)
     # doctor runs before the service loads the model: what will be left once it has
-    loaded = {"MemTotal": total, "MemAvailable": max(0, avail - need)}
-    plan = plan_memory(model_bytes=need, sequence_bytes=sequence, meminfo=loaded,
+    npu = choose_npu_experts(copy_bytes=npu_copy, model_bytes=need, sequence_bytes=sequence,
+                             meminfo=info)
+    model = need + (npu.copy_bytes if npu.taken else 0)
+    loaded = {"MemTotal": total, "MemAvailable": max(0, avail - model)}
+    plan = plan_memory(model_bytes=model, sequence_bytes=sequence, meminfo=loaded,
                        cache_bytes=None, prefill_scratch_bytes=None,
                        default_cache_bytes=DEFAULT_CACHE_BYTES,
                        default_prefill_scratch_bytes=PREFILL_SCRATCH_BYTES)
-    data.update(cache_bytes=plan.cache_bytes, prefill_scratch_bytes=plan.prefill_scratch_bytes)
+    data.update(cache_bytes=plan.cache_bytes, prefill_scratch_bytes=plan.prefill_scratch_bytes,
+                npu_experts_bytes=npu.copy_bytes, npu_experts_taken=npu.taken)
     detail += (f"; serve at its defaults (auto sizes, float32 latents, a 32K context) will "
                f"give the prefix cache {plan.cache_bytes / gib:.2f} GiB and the prefill "
                f"scratch {plan.prefill_scratch_bytes / gib:.2f} GiB")
+    if npu.copy_bytes:
+        detail += (f"; the routed experts' int8 copy for the NPU ({npu.copy_bytes / gib:.2f} "
+                   f"GiB) {'is' if npu.taken else 'is not'} loaded ({npu.reason})")
     warnings = plan.warnings()
     if warnings:
         return Check("memory", "warn", f"{detail}: {'; '.join(warnings)}",

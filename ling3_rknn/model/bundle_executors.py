@@ -11,8 +11,10 @@ from __future__ import annotations
 from safetensors.numpy import load_file
 
 from ..bundle import PLACEHOLDER_MAGIC, Bundle
+from ..config import ModelConfig
 from ..npu import ExpertError, ExpertExecutor, GraphExecutor, MockRKNNLite, NpuError
-from ..npu.loader import open_graph, open_qmoe_experts
+from ..npu.loader import open_graph, open_qmoe_experts, read_int8_experts
+from ..npu.matmul_experts import Int8MatmulExperts, MatmulExpertStore, NpuLayerExperts
 from .float_experts import FloatExperts
 
 
@@ -50,6 +52,39 @@ def open_experts(bundle: Bundle, layer: int, threads: int = 2) -> ExpertExecutor
         raise ExpertError(f"experts.layers.{layer} names no QMoE graph")
     return open_qmoe_experts(spec.format, weights, bundle.path(entry["onnx"]), spec.top_k,
                              label=entry["weights"], threads=threads)
+
+
+def open_npu_matmul_experts(bundle: Bundle, cfg: ModelConfig, runtime: str | None = None
+                            ) -> tuple[MatmulExpertStore, dict[int, NpuLayerExperts]]:
+    """The routed experts' int8 copy written into NPU memory, and an executor per MoE
+    layer. ``runtime``: the matmul library (``ling3_rknn.npu.matmul.resolve_library``:
+    board | mock | None for auto)."""
+    from ..npu.matmul import open_runtime
+
+    spec = bundle.manifest.npu_matmul_experts
+    if spec is None:
+        raise ExpertError("the bundle has no int8 copy of the routed experts for the NPU "
+                          "(converted without --npu-experts, or before it existed)")
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    missing = sorted(set(moe) - set(spec.layers))
+    if missing:
+        raise ExpertError(f"the NPU experts' int8 copy lacks MoE layers {missing}")
+
+    def load(layer: int) -> Int8MatmulExperts:
+        rel = spec.layers[layer]
+        return read_int8_experts(bundle.path(rel), hidden=cfg.hidden_size,
+                                 intermediate=cfg.moe_intermediate_size, label=rel)
+
+    matmul = open_runtime(runtime)
+    try:
+        store = MatmulExpertStore(matmul, moe, load, hidden=cfg.hidden_size,
+                                  intermediate=cfg.moe_intermediate_size,
+                                  num_experts=cfg.num_experts)
+    except BaseException:
+        matmul.close()
+        raise
+    return store, {i: NpuLayerExperts(store, i, cfg.num_experts, cfg.num_experts_per_tok)
+                   for i in moe}
 
 
 def check_not_placeholder(bundle: Bundle, name: str, rknnlite_cls: type | None) -> None:

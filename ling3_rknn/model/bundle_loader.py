@@ -23,8 +23,14 @@ from ..bundle import (
     mla_value_basis_key,
 )
 from ..config import ConfigError, ModelConfig
-from ..npu import GraphExecutor, MockRKNNLite, resolve_rknnlite
-from .bundle_executors import check_not_placeholder, open_experts, open_stage
+from ..npu import ExpertExecutor, GraphExecutor, MockRKNNLite, resolve_rknnlite
+from ..npu.matmul_experts import MatmulExpertStore
+from .bundle_executors import (
+    check_not_placeholder,
+    open_experts,
+    open_npu_matmul_experts,
+    open_stage,
+)
 from .bundle_stages import BundleExperts, GraphStages
 from .cpu_weights import CpuWeights
 from .mla_expanded import MlaBases
@@ -32,6 +38,9 @@ from .safetensors_file import CheckpointError, SafetensorsFile
 
 ExecutorChoice = Literal["auto", "rknnlite", "mock", "onnx"]
 _RUNTIME = {"auto": None, "rknnlite": "board", "mock": "mock", "onnx": "onnx"}
+# The matmul library (``ling3_rknn.npu.matmul.resolve_library``) per executor choice: the
+# board's librknnrt, or the host stand-in wherever the graphs do not run on the board.
+_MATMUL_RUNTIME = {"auto": None, "rknnlite": "board", "mock": "mock", "onnx": "mock"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class BundleParts:
     experts: BundleExperts
     cpu: CpuWeights
     npu_graphs: bool = False  # the stages run from their .rknn files (the real RKNNLite)
+    # the routed experts' int8 copy on the NPU's matmuls for prefill pieces (None: not loaded)
+    npu_matmul_experts: MatmulExpertStore | None = None
 
 
 def runtime_for(executor: str) -> str | None:
@@ -88,9 +99,11 @@ def _mla_bases(f: SafetensorsFile, cfg: ModelConfig) -> dict[int, MlaBases]:
     return bases
 
 
-def load_bundle_parts(bundle: Bundle, executor: ExecutorChoice = "auto", threads: int = 2
-                      ) -> BundleParts:
-    """Open every stage graph and expert layer of ``bundle`` (already verified)."""
+def load_bundle_parts(bundle: Bundle, executor: ExecutorChoice = "auto", threads: int = 2,
+                      npu_experts: bool = False) -> BundleParts:
+    """Open every stage graph and expert layer of ``bundle`` (already verified);
+    ``npu_experts``: also write the routed experts' int8 copy into NPU memory for prefill
+    (the memory plan's choice, made by the caller; a bundle without the copy is an error)."""
     runtime = runtime_for(executor)
     m = bundle.manifest
     try:
@@ -101,6 +114,8 @@ def load_bundle_parts(bundle: Bundle, executor: ExecutorChoice = "auto", threads
     if m.target == "rk3588" and runtime != "onnx":
         rknnlite_cls = resolve_rknnlite(runtime)
     executors: dict[str, GraphExecutor] = {}
+    store: MatmulExpertStore | None = None
+    prefill: dict[int, ExpertExecutor] = {}
     try:
         for name in m.stages:
             check_not_placeholder(bundle, name, rknnlite_cls)
@@ -117,9 +132,13 @@ def load_bundle_parts(bundle: Bundle, executor: ExecutorChoice = "auto", threads
         cpu = {i: open_experts(bundle, i, threads=threads) for i in moe}
         npu = {layer: {e: executors[str(StageName.npu_expert(layer, e))] for e in ids}
                for layer, ids in m.placement.npu_experts.items()}
+        if npu_experts:
+            store, layers = open_npu_matmul_experts(bundle, cfg, _MATMUL_RUNTIME[executor])
+            prefill = dict(layers)
     except BaseException:
         for ex in executors.values():
             ex.close()
         raise
     on_npu = rknnlite_cls is not None and rknnlite_cls is not MockRKNNLite
-    return BundleParts(cfg, stages, BundleExperts(cpu, npu, stages), cpu_weights, on_npu)
+    return BundleParts(cfg, stages, BundleExperts(cpu, npu, stages, prefill=prefill),
+                       cpu_weights, on_npu, store)

@@ -25,6 +25,7 @@ import numpy as np
 from ..bundle import EMBEDDING_KEY, BundleError, StageName
 from ..config import ModelConfig
 from ..npu import ExpertExecutor, GraphExecutor
+from ..npu.matmul_experts import MIN_TOKENS as PREFILL_MIN_TOKENS
 from . import stage_contract as contract
 from .safetensors_file import SafetensorsFile
 from .stage_contract import KdaInputs, LayerOutput, MlaInputs
@@ -161,16 +162,25 @@ def check_contract(config: ModelConfig, name: str, ex: GraphExecutor) -> None:
 
 
 class BundleExperts:
-    """``ExpertBackend``: CPU experts per MoE layer plus the plan's NPU experts."""
+    """``ExpertBackend``: CPU experts per MoE layer plus the plan's NPU experts, and for
+    prefill pieces of at least ``prefill_min_tokens`` tokens the ``prefill`` executors (the
+    int8 copy on the NPU's matmuls, ``ling3_rknn.npu.matmul_experts``) where loaded. Decode
+    and short pieces keep the CPU executors."""
 
     def __init__(self, cpu: Mapping[int, ExpertExecutor],
-                 npu: Mapping[int, Mapping[int, GraphExecutor]], stages: GraphStages) -> None:
+                 npu: Mapping[int, Mapping[int, GraphExecutor]], stages: GraphStages, *,
+                 prefill: Mapping[int, ExpertExecutor] | None = None,
+                 prefill_min_tokens: int = PREFILL_MIN_TOKENS) -> None:
         self._cpu = dict(cpu)
         self._npu = {layer: dict(ex) for layer, ex in npu.items() if ex}
         self._stages = stages
+        self.prefill = dict(prefill or {})
+        self.prefill_min_tokens = prefill_min_tokens
 
     def __call__(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray
                  ) -> np.ndarray:
+        if len(x) >= self.prefill_min_tokens and layer in self.prefill:
+            return self.prefill[layer].run(x, ids, weights)
         npu = self._npu.get(layer)
         if not npu:
             return self._cpu[layer].run(x, ids, weights)

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from .mla_expanded import (
 from .mla_npu import NpuAttention, NpuPrefillChoice, NpuRows, open_npu_attention
 from .moe import ExpertBackend, NumpyExperts, route
 from .pipeline import run_wavefront
+
+if TYPE_CHECKING:
+    from ..npu.matmul_experts import MatmulExpertStore
 from .snapshot_arrays import SnapshotArrays
 from .stages import LayerOutput
 from .state import (
@@ -72,10 +76,13 @@ class Model:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         npu_graphs: bool = False,
         npu_attention: NpuAttention | None = None,
+        npu_matmul_experts: MatmulExpertStore | None = None,
     ) -> None:
         self.config = config
         self.bundle = bundle  # the bundle it was loaded from (``from_bundle``), else None
         self.npu_graphs = npu_graphs  # its stages run from the bundle's .rknn files
+        # the routed experts' int8 copy in NPU memory for prefill (``from_bundle``), else None
+        self.npu_matmul_experts = npu_matmul_experts
         self.stages = stages
         self.experts = experts
         self.cpu = cpu
@@ -137,6 +144,7 @@ class Model:
         threads: int | None = None,
         latent_dtype: str = "float32",
         npu_prefill: NpuPrefillChoice = "auto",
+        npu_experts: bool = False,
     ) -> Model:
         """Load a converted bundle (a path, or an opened ``Bundle``): stage graphs on
         RKNNLite (the board, or its ONNX-twin mock on a host; ``executor`` = auto |
@@ -147,7 +155,10 @@ class Model:
         ``ling3_rknn.cpu_threads`` (None: one per big core). ``latent_dtype``: the MLA
         latent cache in float32 or float16 (half the memory, ``state.LATENT_DTYPES``).
         ``npu_prefill``: prefill attention's matmuls on the NPU (``mla_npu``: auto = on a
-        board, on = also on the host stand-in, off)."""
+        board, on = also on the host stand-in, off). ``npu_experts``: prefill pieces run the
+        routed experts' int8 copy on the NPU's matmuls (the bundle must carry it; whether a
+        board can afford it is the memory plan's call, ``ling3_rknn.loading``); decode stays
+        on the CPU experts."""
         runtime = runtime_for(executor)  # a bad choice fails before any file is read
         check_latent_dtype(latent_dtype)  # before any file is read, like the executor
         policy = apply_thread_policy(threads)
@@ -157,7 +168,7 @@ class Model:
                 bundle.verify(verify)
         else:
             bundle = Bundle.open(path, verify=verify)
-        parts = load_bundle_parts(bundle, executor, policy.threads)
+        parts = load_bundle_parts(bundle, executor, policy.threads, npu_experts=npu_experts)
         on_npu = bundle.manifest.target == "rk3588" and runtime != "onnx"
         choice = npu_prefill if on_npu or npu_prefill != "auto" else "off"
         attention = open_npu_attention(parts.config, choice,
@@ -165,7 +176,8 @@ class Model:
         return cls(parts.config, parts.stages, parts.experts, parts.cpu,
                    threads=policy.threads, bundle=bundle, latent_dtype=latent_dtype,
                    prefill_chunk=max(parts.stages.chunk_sizes[-1], DEFAULT_PREFILL_CHUNK),
-                   npu_graphs=parts.npu_graphs, npu_attention=attention)
+                   npu_graphs=parts.npu_graphs, npu_attention=attention,
+                   npu_matmul_experts=parts.npu_matmul_experts)
 
     def new_state(self) -> SequenceState:
         return SequenceState(self.config, self.latent_dtype)

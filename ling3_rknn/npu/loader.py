@@ -1,4 +1,5 @@
-"""Open an executor from files: a stage graph on its runtime, a QMoE expert layer.
+"""Open an executor from files: a stage graph on its runtime, a QMoE expert layer, a
+layer's int8 copy for the NPU's matmuls.
 
 Paths and choices come from the caller (``ling3_rknn.model.bundle_executors`` reads them
 from a bundle's manifest and placement plan); this module knows files and runtimes, not
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 
 from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from ling3_rknn.npu.errors import ExpertError
 from ling3_rknn.npu.executors import (
@@ -20,6 +22,7 @@ from ling3_rknn.npu.executors import (
     resolve_rknnlite,
 )
 from ling3_rknn.npu.experts import PackedExperts, QMoeExperts
+from ling3_rknn.npu.matmul_experts import Int8MatmulExperts
 
 QMOE_BITS = {"int4": 4, "int8": 8}
 
@@ -56,3 +59,18 @@ def open_qmoe_experts(fmt: str, weights: PathLike, graph: PathLike, top_k: int, 
         raise ExpertError(f"top_k {top_k} exceeds {num_experts} experts")
     return QMoeExperts(graph, hidden_size=hidden, num_experts=num_experts, top_k=top_k,
                        threads=threads)
+
+
+def read_int8_experts(weights: PathLike, *, hidden: int, intermediate: int, label: str
+                      ) -> Int8MatmulExperts:
+    """One MoE layer's int8 copy for the NPU from its safetensors file; every way the file
+    can be wrong (not safetensors, a missing tensor, a shape or dtype off) is an
+    ``ExpertError`` naming ``label``."""
+    try:
+        tensors = load_file(str(weights))
+    except Exception as exc:  # safetensors raises its own errors for a damaged file
+        raise ExpertError(f"{label}: not a readable safetensors file: {exc}") from exc
+    try:
+        return Int8MatmulExperts.from_tensors(tensors, hidden, intermediate)
+    except ExpertError as exc:
+        raise ExpertError(f"{label}: {exc}") from exc

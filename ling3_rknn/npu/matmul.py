@@ -37,7 +37,7 @@ from ling3_rknn.npu import matmul_abi as abi
 from ling3_rknn.npu import matmul_standin_build
 from ling3_rknn.npu.executors import LIBRKNNRT, RUNTIME_ENV
 from ling3_rknn.npu.matmul_layout import native_tile, read_native, write_native
-from ling3_rknn.npu.matmul_plan import NPU_CORES, MatmulError, MatmulShape, check_shape
+from ling3_rknn.npu.matmul_plan import NPU_CORES, MatmulB, MatmulError, MatmulShape, check_shape
 
 log = logging.getLogger(__name__)
 
@@ -222,14 +222,15 @@ class RknnMatmulContext:
         if self.closed:
             raise MatmulError(f"matmul context {self.shape} (core {self.core}) is closed")
 
-    def _check_b(self, b: NativeB) -> ctypes._Pointer:
-        """``b``'s memory, if ``b`` is a live B of this open context."""
+    def _check_b(self, b: MatmulB) -> tuple[NativeB, ctypes._Pointer]:
+        """``b`` and its memory, if ``b`` is a live B of this open context (typed as the
+        protocol's ``MatmulB``: any other object is refused here, not by the caller)."""
         self._check_open()
         if not isinstance(b, NativeB) or b.context is not self:
             raise MatmulError(f"{self.shape}: this B belongs to another matmul context")
         if b._mem is None:
             raise MatmulError(f"{self.shape}: this B was freed")
-        return b._mem
+        return b, b._mem
 
     def _operand(self, what: str, x: np.ndarray) -> np.ndarray:
         """fp16 takes any float array (rounded to fp16 on the copy in); int8 takes int8
@@ -249,15 +250,15 @@ class RknnMatmulContext:
             self._bs.append(b)
             return b
 
-    def write_b(self, b: NativeB, values: np.ndarray, row: int = 0, col: int = 0) -> None:
+    def write_b(self, b: MatmulB, values: np.ndarray, row: int = 0, col: int = 0) -> None:
         """Write ``values`` [k', n'] into B[row:, col:] in the native layout in place
         (``row``, ``col`` multiples of the K and N alignments; the rest of B untouched)."""
         values = self._operand("B values", values)
         with self._lock:
-            self._check_b(b)
-            write_native(b.values, self.shape, values, row, col)
+            native, _ = self._check_b(b)
+            write_native(native.values, self.shape, values, row, col)
 
-    def run(self, a: np.ndarray, b: NativeB, out: np.ndarray | None = None) -> np.ndarray:
+    def run(self, a: np.ndarray, b: MatmulB, out: np.ndarray | None = None) -> np.ndarray:
         """C [rows, n] = A [rows, k] x B for 1 <= rows <= m (float32 for fp16, int32 for
         int8): a fresh array, or ``out`` (C-contiguous, that shape and dtype) filled."""
         a = self._operand("A", a)
@@ -270,11 +271,11 @@ class RknnMatmulContext:
             raise MatmulError(f"{s}: out must be a C-contiguous {s.c_dtype} [{rows}, {s.n}], "
                               f"got {out.dtype} {out.shape}")
         with self._lock:
-            mem = self._check_b(b)
+            native, mem = self._check_b(b)
             np.copyto(self._a[:rows], a, casting="same_kind")
-            if self._current_b is not b:
+            if self._current_b is not native:
                 self._set_io(mem, self.io.B)
-                self._current_b = b
+                self._current_b = native
             self._call("rknn_matmul_run", self._lib.rknn_matmul_run(self._handle))
             if out is None:
                 return self._c[:rows].copy()
