@@ -148,11 +148,12 @@ def runtime(request):
     rt.close()
 
 
-def _executor(runtime, packed, buckets=(4, 8, 16), layers=(3,), **kw):
+def _executor(runtime, packed, buckets=(4, 8, 16), layers=(3,), activations=None, **kw):
     store = MatmulExpertStore(runtime, list(layers), lambda i: packed, hidden=packed.hidden,
                               intermediate=packed.intermediate,
                               num_experts=packed.num_experts, buckets=buckets, **kw)
-    return store, {i: NpuLayerExperts(store, i, packed.num_experts, K) for i in layers}
+    return store, {i: NpuLayerExperts(store, i, packed.num_experts, K,
+                                      activations=activations) for i in layers}
 
 
 def test_packing_is_b_per_output_channel_with_padding(weights, packed):
@@ -220,6 +221,27 @@ def test_executor_within_the_int8_bound_of_the_float_experts(runtime, weights, p
     with capsys.disabled():
         print(f"\n[npu experts] int8 per-channel x per-token vs float: relative L2 {err:.4f}, "
               f"worst element at {float(np.max(np.abs(got - want) / bound)):.3f} of its bound")
+
+
+@pytest.mark.parametrize("t", [3, 64])
+def test_compiled_activation_steps_hold_the_same_bound(runtime, weights, packed, t):
+    """The model's compiled steps (moe_int8.c: one pass each, per expert's rows) in place of
+    the numpy ones: the same int8 arithmetic up to where a half rounds, within the same
+    derived bound of the float experts, and next to the numpy path's result."""
+    from ling3_rknn.model import moe_int8, native
+
+    if not native.available():
+        pytest.skip("the compiled kernels are not built here")
+    rng = np.random.default_rng(200 + t)
+    _, compiled = _executor(runtime, packed, activations=moe_int8)
+    _, plain = _executor(runtime, packed)
+    x = rng.normal(size=(t, D)).astype(np.float32)
+    ids, w = _routing(rng, t)
+    got = compiled[3].run(x, ids, w)
+    want, bound = _reference_and_bound(x, ids, w, *weights)
+    assert (np.abs(got - want) <= bound).all(), float(np.max(np.abs(got - want) / bound))
+    other = plain[3].run(x, ids, w)
+    assert (np.abs(got - other) <= 2 * bound).all()
 
 
 def test_executor_closer_to_float_than_the_int4_cpu_copy(runtime):

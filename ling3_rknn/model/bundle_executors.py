@@ -15,6 +15,7 @@ from ..config import ModelConfig
 from ..npu import ExpertError, ExpertExecutor, GraphExecutor, MockRKNNLite, NpuError
 from ..npu.loader import open_graph, open_qmoe_experts, read_int8_experts
 from ..npu.matmul_experts import Int8MatmulExperts, MatmulExpertStore, NpuLayerExperts
+from . import moe_int8, native
 from .float_experts import FloatExperts
 
 
@@ -83,7 +84,10 @@ def open_npu_matmul_experts(bundle: Bundle, cfg: ModelConfig, runtime: str | Non
     except BaseException:
         matmul.close()
         raise
-    return store, {i: NpuLayerExperts(store, i, cfg.num_experts, cfg.num_experts_per_tok)
+    # the activation steps compiled (moe_int8.c) where the kernels load, else numpy's
+    act = moe_int8 if native.available() else None
+    return store, {i: NpuLayerExperts(store, i, cfg.num_experts, cfg.num_experts_per_tok,
+                                      activations=act)
                    for i in moe}
 
 

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -309,17 +310,34 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * x))
 
 
+class ExpertActivations(Protocol):
+    """The CPU's steps around the two matmuls, one pass each: the model's compiled kernels
+    (``model/moe_int8.py``, handed in by the model: this package does not import it); the
+    numpy in ``NpuLayerExperts`` otherwise. Scales as in ``quantize_rows``; each call
+    covers rows of one expert (one column scale vector)."""
+
+    def quantize_rows(self, src: np.ndarray, rows: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def swiglu_quantize(self, c: np.ndarray, row_scale: np.ndarray, col_scale: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def scatter_add(self, c: np.ndarray, row_scale: np.ndarray, col_scale: np.ndarray,
+                    weight: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None: ...
+
+
 class NpuLayerExperts:
     """One MoE layer's routed experts on the NPU: an ``ExpertExecutor`` for prefill pieces."""
 
-    def __init__(self, store: MatmulExpertStore, layer: int, num_experts: int, top_k: int
-                 ) -> None:
+    def __init__(self, store: MatmulExpertStore, layer: int, num_experts: int, top_k: int,
+                 activations: ExpertActivations | None = None) -> None:
         if (layer, 0) not in store.slots:
             raise ExpertError(f"the NPU expert store has no layer {layer}")
         self._store = store
         self._layer = layer
         self._num_experts = num_experts
         self._top_k = top_k
+        self._act = activations
 
     @property
     def num_experts(self) -> int:
@@ -339,8 +357,6 @@ class NpuLayerExperts:
             return np.zeros((0, d), np.float32)
         dp, ip = padded_sizes(d, i)
         gu_scales, dn_scales = s.scales[self._layer]
-        # each token quantized once; its k selections are gathered in expert order
-        xq, xs = quantize_rows(np.asarray(hidden, np.float32), dp)
         flat = expert_ids.reshape(-1)
         order = np.argsort(flat, kind="stable")
         experts = flat[order]
@@ -348,6 +364,11 @@ class NpuLayerExperts:
         counts = np.bincount(flat, minlength=self._num_experts)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         groups = [(e, int(starts[e]), int(counts[e])) for e in np.flatnonzero(counts).tolist()]
+        if self._act is not None:
+            return self._run_compiled(self._act, hidden, expert_weights, order, tokens,
+                                      groups)
+        # each token quantized once; its k selections are gathered in expert order
+        xq, xs = quantize_rows(np.asarray(hidden, np.float32), dp)
 
         c1 = np.empty((t * k, 2 * ip), np.int32)
         s.run_groups(0, self._layer, groups, xq[tokens], c1)
@@ -365,3 +386,38 @@ class NpuLayerExperts:
         unsorted = np.empty_like(y)
         unsorted[order] = y
         return unsorted.reshape(t, k, d).sum(axis=1)
+
+    def _run_compiled(self, act: ExpertActivations, hidden: np.ndarray,
+                      expert_weights: np.ndarray, order: np.ndarray, tokens: np.ndarray,
+                      groups: list[tuple[int, int, int]]) -> np.ndarray:
+        """``run`` with the compiled activation steps, one expert's rows per call."""
+        s = self._store
+        d, i = s.hidden, s.intermediate
+        dp, ip = padded_sizes(d, i)
+        gu_scales, dn_scales = s.scales[self._layer]
+        t, k = len(hidden), self._top_k
+        xq, xs = act.quantize_rows(np.asarray(hidden, np.float32), np.arange(t, dtype=np.int64))
+        if dp != d:  # zero columns up to the int8 alignment
+            xq = np.pad(xq, ((0, 0), (0, dp - d)))
+        rows = tokens.astype(np.int64)
+        c1 = np.empty((t * k, 2 * ip), np.int32)
+        s.run_groups(0, self._layer, groups, xq[rows], c1)
+        aq = np.empty((t * k, ip), np.int8)
+        a_scale = np.empty(t * k, np.float32)
+        row_scale = xs[rows]
+        for e, start, n in groups:
+            part = slice(start, start + n)
+            # gate in [0, I'), up in [I', 2I'): padding columns are 0 and give h = 0
+            aq[part], a_scale[part] = act.swiglu_quantize(c1[part], row_scale[part],
+                                                          gu_scales[e])
+        c2 = np.empty((t * k, dp), np.int32)
+        s.run_groups(1, self._layer, groups, aq, c2)
+        if dp != d:
+            c2 = np.ascontiguousarray(c2[:, :d])
+        weights = np.asarray(expert_weights, np.float32).reshape(-1)[order]
+        out = np.zeros((t, d), np.float32)
+        for e, start, n in groups:
+            part = slice(start, start + n)
+            act.scatter_add(c2[part], a_scale[part], dn_scales[e][:d], weights[part],
+                            rows[part], out)
+        return out
