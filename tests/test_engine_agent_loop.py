@@ -22,7 +22,7 @@ from ling3_rknn.engine import (
     SamplingParams,
     TextDelta,
 )
-from ling3_rknn.engine.snapshot_store import model_fingerprint
+from ling3_rknn.engine.cache.snapshot_store import model_fingerprint
 from ling3_rknn.model import Model, native
 from ling3_rknn.model.mla_expanded import ExpandedRows
 from ling3_rknn.tokenizer import Tokenizer
@@ -285,7 +285,7 @@ async def test_same_config_different_weights_never_share_persisted_snapshots(
 
 
 def test_cache_charges_the_real_models_shared_latent_once(model):
-    from ling3_rknn.engine.prefix_cache import PrefixCache
+    from ling3_rknn.engine.cache.prefix_cache import PrefixCache
     from ling3_rknn.model.state import BLOCK_TOKENS
 
     state = model.new_state()

@@ -14,9 +14,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ling3_rknn.engine import snapshot_store
-from ling3_rknn.engine.prefix_cache import PrefixCache
-from ling3_rknn.engine.snapshot_store import SnapshotStore, arrays_checksum
+from ling3_rknn.engine.cache import snapshot_store
+from ling3_rknn.engine.cache.prefix_cache import PrefixCache
+from ling3_rknn.engine.cache.snapshot_store import SnapshotStore, arrays_checksum
 from ling3_rknn.model import Model
 from ling3_rknn.model.snapshot_arrays import BLOCK_TOKENS, RowBlocks
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from ling3_rknn.engine.prefix_cache import PrefixCache
-from ling3_rknn.engine.snapshot_store import SnapshotStore, model_fingerprint
+from ling3_rknn.engine.cache.prefix_cache import PrefixCache
+from ling3_rknn.engine.cache.snapshot_store import SnapshotStore, model_fingerprint
 from ling3_rknn.model.snapshot_arrays import RowBlocks, joined
 
 VOCAB = 16

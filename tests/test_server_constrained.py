@@ -163,6 +163,23 @@ async def test_a_schema_the_library_cannot_serve_is_400_naming_it(client, extra,
     assert info.value.body["param"] == part
 
 
+async def test_the_librarys_refusal_names_the_messages_field(demo_engine):
+    """The engine's compile error through /v1/messages names the Messages body's own tool
+    (its index counting the server tool the reader skipped, ``input_schema``), never the
+    chat form the request was rendered through (``tools[0].function.parameters``)."""
+    body = {"model": DEMO_MODEL_ID, "max_tokens": 8, "tool_choice": {"type": "any"},
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "web_search_20250305", "name": "web_search"},
+                      {"name": "f", "input_schema": {"type": "object", "properties": {
+                          "x": {"not": {"type": "integer"}}}}}]}
+    async with (running_server(demo_engine) as srv, aiohttp.ClientSession() as session,
+                session.post(srv.v1 + "/messages", json=body) as r):
+        assert r.status == 400
+        message = (await r.json())["error"]["message"]
+    assert message.startswith("tools[1].input_schema.properties.x"), message
+    assert "not" in message and "function" not in message and "parameters" not in message
+
+
 async def test_stop_strings_do_not_cut_a_forced_call(client):
     """A stop string the call itself contains ("\\n" is in every call, "city" is a key)
     would end the turn inside the block; a forced call is complete anyway."""

@@ -204,3 +204,68 @@ async def test_responses_errors_name_responses_paths_not_chat_paths():
             assert "messages[" not in error["message"] and ".function" not in error["message"]
             if quoted:
                 assert quoted in error["message"], error
+
+
+SERVER_TOOL = {"type": "web_search_20250305", "name": "web_search"}
+BAD_INPUT_SCHEMA = {"name": "f", "input_schema": {
+    "type": "object", "properties": {"x": {"type": "string", "minLength": 5, "maxLength": 2}}}}
+
+
+def test_messages_chat_paths_map_to_the_messages_body():
+    """Every chat message, call and tool maps back to its own place in the Messages body:
+    ``system`` first, a call to its ``tool_use`` block, a tool result to its block, the
+    tools counted with the skipped server tools."""
+    request, _ = messages(
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+            {"type": "tool_use", "id": "t2", "name": "f", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t2", "content": "a"},
+            {"type": "tool_result", "tool_use_id": "t1", "content": "b"},
+            {"type": "text", "text": "and?"}]},
+        system="Be brief.", tools=[SERVER_TOOL, BAD_INPUT_SCHEMA])
+    names = request.names
+    assert names is not None
+    # chat: system, user, assistant (2 calls), tool, tool, user
+    assert [m["role"] for m in request.messages] == [
+        "system", "user", "assistant", "tool", "tool", "user"]
+    expected = {
+        "messages[0]": "system",
+        "messages[1].content": "messages[0].content",
+        "messages[2].tool_calls[0].function.arguments": "messages[1].content[1].input",
+        "messages[2].tool_calls[1].function.name": "messages[1].content[2].name",
+        "messages[3].tool_call_id": "messages[2].content[0].tool_use_id",
+        "messages[4].content": "messages[2].content[1].content",
+        "messages[5]": "messages[2]",
+        "tools[0].function.parameters.properties.x": "tools[1].input_schema.properties.x",
+        "tools[0].function.name": "tools[1].name",
+        "tool_choice": "tool_choice",
+        "messages": "messages",
+    }
+    assert {chat: names.path(chat) for chat in expected} == expected
+    error = names.error(invalid_request(
+        "messages[2].tool_calls[0].function.arguments is nested too deeply", "messages"))
+    assert error.param == "messages"
+    assert error.message == "messages[1].content[1].input is nested too deeply"
+
+
+async def test_messages_errors_name_messages_paths_not_chat_paths():
+    """A grammar refusal of a required tool's schema comes back under the Messages body's
+    own field: its index counts the server tool the reader skipped, and its schema is
+    ``input_schema`` (before: ``tools[0].function.parameters.properties.x``)."""
+    import aiohttp
+    from scripted_engine import ScriptedEngine
+    from server_harness import running_server
+
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+            "tools": [SERVER_TOOL, BAD_INPUT_SCHEMA]}
+    async with running_server(ScriptedEngine()) as srv, aiohttp.ClientSession() as session:
+        for choice in ({"type": "any"}, {"type": "tool", "name": "f"}):
+            async with session.post(srv.v1 + "/messages",
+                                    json={**body, "tool_choice": choice}) as r:
+                assert r.status == 400
+                message = (await r.json())["error"]["message"]
+            assert message.startswith("tools[1].input_schema.properties.x: "), message
+            assert "function" not in message and "parameters" not in message

@@ -29,9 +29,10 @@ from .parse import (
     parse_assistant,
 )
 from .render import TEMPLATE_SHA256, render, render_text
+from .schema_to_grammar import GrammarError
 from .segments import ChatFormatError, Segment
 from .stream_parse import StreamingParser
-from .turn_grammar import GrammarError, GrammarText, TurnGrammar, turn_grammar
+from .turn_grammar import GrammarText, TurnGrammar, turn_grammar
 
 __all__ = [
     "TEMPLATE_SHA256",

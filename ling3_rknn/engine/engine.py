@@ -34,15 +34,14 @@ from .api import (
     InvalidRequest,
     SegmentLike,
 )
+from .cache import PrefixCache, SnapshotStore, model_fingerprint
 from .call_guard import BanRows, LazyCalls, MarkerBan
 from .grammar_constraint import GrammarCompiler, TokenConstraint
 from .options import EngineOptions
-from .prefix_cache import PrefixCache
 from .prompt_encoder import EncodedPrompt, PromptEncoder
 from .protocols import ModelLike, TokenizerLike
 from .runner import Counters, Job, Runner, RunnerOptions
 from .sampler import resolve_settings
-from .snapshot_store import SnapshotStore, model_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,7 @@ from typing import Protocol
 import llguidance
 import numpy as np
 
-from ling3_rknn.chat import markers
-from ling3_rknn.chat.turn_grammar import GrammarError
+from ling3_rknn.chat import GrammarError, markers
 
 from .api import GrammarSource, GrammarText, InvalidRequest
 

@@ -24,7 +24,7 @@ from .prompt_encoder import SegmentEncoder
 class ModelConfigLike(Protocol):
     """The model config fields the engine and the loader read (``config.ModelConfig``).
     The whole config also goes into the persisted snapshots' fingerprint
-    (``snapshot_store.model_fingerprint``)."""
+    (``cache.snapshot_store.model_fingerprint``)."""
 
     @property
     def vocab_size(self) -> int: ...

@@ -29,10 +29,10 @@ import numpy as np
 from ling3_rknn.chat.events import Finished, FinishReason, GenerationEvent, TextDelta, Usage
 
 from .api import EngineFailure, InvalidRequest, TurnParser
+from .cache import PrefixCache
 from .call_guard import LazyCalls, MarkerBan
 from .grammar_constraint import TokenConstraint
 from .parsed_turn import ParsedTurn
-from .prefix_cache import PrefixCache
 from .prompt_encoder import EncodedPrompt, PromptEncoder, Transcript
 from .protocols import ModelLike, StateT, TokenizerLike
 from .sampler import Sampler, SamplerSettings

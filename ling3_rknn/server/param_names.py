@@ -29,6 +29,7 @@ class ParamNames:
     tool_paths: list[str] = field(default_factory=list)  # chat tool i -> its source
     schema_key: str = "parameters"  # a tool's schema field
     call_fields: dict[str, str] = field(default_factory=dict)  # ".arguments" -> ".input"
+    message_fields: dict[str, str] = field(default_factory=dict)  # ".tool_call_id" -> ...
     renames: dict[str, str] = field(default_factory=dict)  # whole-prefix renames
 
     def path(self, chat: str) -> str:
@@ -43,7 +44,11 @@ class ParamNames:
                     rest = new + rest[len(old):]
             return self.call_paths[int(m[1]), int(m[2])] + rest
         if (m := _MESSAGE.fullmatch(chat)) and int(m[1]) < len(self.message_paths):
-            return self.message_paths[int(m[1])] + m[2]
+            rest = m[2]
+            for old, new in self.message_fields.items():
+                if rest == old or rest.startswith(old + "."):
+                    rest = new + rest[len(old):]
+            return self.message_paths[int(m[1])] + rest
         if (m := _TOOL.fullmatch(chat)) and int(m[1]) < len(self.tool_paths):
             rest = m[2]
             if rest.startswith(".parameters"):

@@ -36,7 +36,7 @@ from engine_tiny_model import make_tiny_checkpoint  # noqa: E402
 from ling3_rknn.chat.segments import Segment  # noqa: E402
 from ling3_rknn.config import ModelConfig  # noqa: E402
 from ling3_rknn.engine import Engine, EngineOptions, GenerationRequest, SamplingParams  # noqa: E402
-from ling3_rknn.engine.snapshot_store import SnapshotStore  # noqa: E402
+from ling3_rknn.engine.cache.snapshot_store import SnapshotStore  # noqa: E402
 from ling3_rknn.model import Model, SequenceState, StateSnapshot  # noqa: E402
 from ling3_rknn.model.snapshot_arrays import RowBlocks  # noqa: E402
 from ling3_rknn.tokenizer import Tokenizer  # noqa: E402

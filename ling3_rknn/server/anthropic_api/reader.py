@@ -7,13 +7,16 @@ byte for byte and the next turn hits the prefix cache); a user message's ``tool_
 blocks become ``tool`` messages and its text a user message. Keys are checked strictly,
 unknown ones are a 400 naming their path (``messages[1].content[0].input``);
 ``cache_control`` markers are accepted everywhere and change nothing (the prefix cache is
-automatic). Details: docs/serving.md 10.4.
+automatic). Each chat message, call and tool keeps its place in the body (``ParamNames``),
+so an error raised after rendering (the turn grammar, the engine) names the Messages
+fields too (``tools[1].input_schema...``, never ``tools[0].function.parameters...``).
+Details: docs/serving.md 10.4.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ling3_rknn.engine.api import SamplingParams
@@ -37,6 +40,7 @@ from ling3_rknn.server.json_checks import (
     type_name,
     type_tag,
 )
+from ling3_rknn.server.param_names import ParamNames
 from ling3_rknn.server.validate import MAX_STOP_STRINGS, ChatRequest, tool_name
 
 log = logging.getLogger("ling3_rknn.server")
@@ -149,8 +153,11 @@ def _assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
     return message
 
 
-def _user(blocks: list[dict[str, Any]], path: str, calls: set[str]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _user(blocks: list[dict[str, Any]], path: str, calls: set[str]
+          ) -> list[tuple[dict[str, Any], str]]:
+    """The tool messages of the ``tool_result`` blocks, then the text as one user message,
+    each with the path it came from."""
+    out: list[tuple[dict[str, Any], str]] = []
     texts: list[str] = []
     answered: set[str] = set()
     for j, block in enumerate(blocks):
@@ -164,21 +171,40 @@ def _user(blocks: list[dict[str, Any]], path: str, calls: set[str]) -> list[dict
                      f"{shown(use_id)} is not the id of a tool_use block of the "
                      "assistant message before it")
             answered.add(use_id)
-            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                        "content": block.get("content") or ""})
+            out.append(({"role": "tool", "tool_call_id": block["tool_use_id"],
+                         "content": block.get("content") or ""}, f"{path}.content[{j}]"))
         else:
             texts.append(block["text"])
     if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append(({"role": "user", "content": "\n".join(texts)}, path))
     return out
 
 
-def _messages(value: Any, path: str) -> list[dict[str, Any]]:
+@dataclass
+class _Conversation:
+    """The chat messages, and where each message and call came from in the body (errors
+    raised after rendering name the Messages fields, never the chat ones)."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    call_sources: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def add(self, message: dict[str, Any], source: str) -> None:
+        self.messages.append(message)
+        self.sources.append(source)
+
+    def prepend_system(self, content: str) -> None:
+        self.messages.insert(0, {"role": "system", "content": content})
+        self.sources.insert(0, "system")
+        self.call_sources = {(i + 1, c): p for (i, c), p in self.call_sources.items()}
+
+
+def _messages(value: Any, path: str) -> _Conversation:
     items = array(lambda v, p: json_object(
         v, p, {"role": one_of("user", "assistant", "system"), "content": _ANY},
         ("role", "content")),
         min_items=1)(value, path)
-    out: list[dict[str, Any]] = []
+    out = _Conversation()
     calls: set[str] = set()
     for i, item in enumerate(items):
         where = f"{path}[{i}]"
@@ -196,11 +222,16 @@ def _messages(value: Any, path: str) -> list[dict[str, Any]]:
         if role == "assistant":
             message = _assistant(blocks, where)
             calls = {c["id"] for c in message.get("tool_calls", ())}
-            out.append(message)
+            uses = [j for j, b in enumerate(blocks) if b["type"] == "tool_use"]
+            for c, j in enumerate(uses):
+                out.call_sources[len(out.messages), c] = f"{where}.content[{j}]"
+            out.add(message, where)
         elif role == "system":  # Claude Code's mid-conversation system turns
-            out.append({"role": "system", "content": "\n".join(b["text"] for b in blocks)})
+            out.add({"role": "system", "content": "\n".join(b["text"] for b in blocks)},
+                    where)
         else:
-            out.extend(_user(blocks, where, calls))
+            for message, source in _user(blocks, where, calls):
+                out.add(message, source)
             calls = set()
     return out
 
@@ -208,8 +239,10 @@ def _messages(value: Any, path: str) -> list[dict[str, Any]]:
 # ---- tools ------------------------------------------------------------------------------
 
 
-def _tools(value: Any, path: str) -> list[dict[str, Any]]:
-    tools: list[dict[str, Any]] = []
+def _tools(value: Any, path: str) -> list[tuple[dict[str, Any], str]]:
+    """The chat tools, each with its path in the body (server tools skipped, so a chat
+    tool's index is not the body's)."""
+    tools: list[tuple[dict[str, Any], str]] = []
     skipped: list[str] = []
     seen: set[str] = set()
     for i, tool in enumerate(array(any_object)(value, path)):
@@ -230,7 +263,7 @@ def _tools(value: Any, path: str) -> list[dict[str, Any]]:
         function = {"name": fields["name"], "parameters": fields["input_schema"]}
         if fields.get("description"):
             function["description"] = fields["description"]
-        tools.append({"type": "function", "function": function})
+        tools.append(({"type": "function", "function": function}, where))
     if skipped:
         log.info("messages: skipped server tools this server cannot run: %s", ", ".join(skipped))
     return tools
@@ -317,8 +350,8 @@ def read_messages_request(body: dict[str, Any], *, count_only: bool = False
     try:
         required = ("model", "messages") if count_only else ("model", "messages", "max_tokens")
         fields = json_object(body, "", _TOP_LEVEL, required)
-        messages = _messages(fields["messages"], "messages")
-        tools = fields.get("tools") or []
+        conversation = _messages(fields["messages"], "messages")
+        tools = [tool for tool, _ in fields.get("tools") or ()]
         names = {t["function"]["name"] for t in tools}
         choice, forced, parallel = "auto", None, True
         if body.get("tool_choice") is not None:
@@ -326,12 +359,12 @@ def read_messages_request(body: dict[str, Any], *, count_only: bool = False
     except Invalid as exc:
         raise invalid_request(exc.message, exc.param) from None
     if fields.get("system"):
-        messages.insert(0, {"role": "system", "content": fields["system"]})
+        conversation.prepend_system(fields["system"])
     stops = fields.get("stop_sequences") or ()
     thinking = fields.get("thinking") or Thinking(enabled=False, shown=True)
     request = ChatRequest(
         model=fields["model"],
-        messages=messages,
+        messages=conversation.messages,
         tools=tools or None,
         tool_choice=choice,
         forced_tool=forced,
@@ -344,5 +377,10 @@ def read_messages_request(body: dict[str, Any], *, count_only: bool = False
                                 top_p=fields.get("top_p"), top_k=fields.get("top_k")),
         # Anthropic's default is no extended thinking; `thinking` turns it on.
         enable_thinking=thinking.enabled,
+        names=ParamNames("messages", conversation.sources, conversation.call_sources,
+                         [where for _, where in fields.get("tools") or ()],
+                         schema_key="input_schema",
+                         call_fields={".name": ".name", ".arguments": ".input"},
+                         message_fields={".tool_call_id": ".tool_use_id"}),
     )
     return request, MessagesNotes(stops, thinking.shown)

@@ -1,6 +1,6 @@
 """The prefix cache's disk tier: snapshot files, their writer thread and their bytes.
 
-The cache (engine/prefix_cache.py) owns one and decides which entry lives where; the
+The cache (engine/cache/prefix_cache.py) owns one and decides which entry lives where; the
 tier keeps the files. It writes a snapshot off the request path (a background thread
 exports and writes it; the export is cheap, since the snapshot hands over its frozen
 latent blocks as they are), counts each file and each content-addressed block once

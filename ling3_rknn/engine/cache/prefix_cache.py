@@ -15,7 +15,7 @@ plus each shared block once across the whole cache; otherwise it is charged ``nb
 everything it references (an upper bound). Eviction is LRU among leaves first: an entry
 whose node has children in the trie is a prefix shared by longer conversations (typically
 the system and tools header), so it goes only after every leaf below it. With a
-``SnapshotStore`` the cache owns a ``DiskTier`` (engine/disk_tier.py) that writes every
+``SnapshotStore`` the cache owns a ``DiskTier`` (engine/cache/disk_tier.py) that writes every
 snapshot to disk in the background; an entry evicted from memory stays indexed as
 disk-only and is read back (and verified) when a request needs it. Which entry stays
 where is decided here, by the same LRU order for both budgets.
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from ..protocols import CacheableSnapshot
 from .disk_tier import DiskTier, FromArrays, ToArrays
 from .prefix_trie import TrieNode, entries_on_path, insert_node, prune
-from .protocols import CacheableSnapshot
 from .snapshot_store import SnapshotStore, StoredSnapshot
 
 
