@@ -528,3 +528,16 @@ def test_bench_times_the_prefill_plans_shapes(monkeypatch):
     monkeypatch.setenv(RUNTIME_ENV, "gpu")
     assert npu_matmul.measure(runs=2)["runtime"] is None
     assert "not measured" in npu_matmul.summary_lines(npu_matmul.measure(runs=2))[0]
+
+
+def test_a_context_holds_the_buffers_a_long_prompt_needs(runtime):
+    """The prefill attention keeps 2 B per head and 2048-row piece on each core's context
+    (hundreds at 32K tokens), the experts' store hundreds per context: the stand-in must not
+    refuse them where the board would not."""
+    ctx = runtime.context(MatmulShape(1, 32, 32, "int8"))
+    bs = [ctx.new_b() for _ in range(700)]
+    ctx.write_b(bs[-1], np.eye(32, dtype=np.int8))
+    assert np.array_equal(ctx.run(np.arange(32, dtype=np.int8)[None], bs[-1]),
+                          np.arange(32)[None])
+    for b in bs:
+        b.free()

@@ -173,10 +173,11 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     }
 
 
-def load_model(hf: Path | None, bundle: Path | None, npu_prefill: str = "auto"
-               ) -> tuple[Any, Any, dict | None]:
+def load_model(hf: Path | None, bundle: Path | None, npu_prefill: str = "auto",
+               npu_experts: bool = False) -> tuple[Any, Any, dict | None]:
     """(model, tokenizer, generation config) as ``ling3-rknn serve`` loads them
-    (``npu_prefill``: serve's ``--npu-prefill``)."""
+    (``npu_prefill``: serve's ``--npu-prefill``; ``npu_experts``: the bundle's int8 expert
+    copy on the NPU matmuls for prefill, serve's ``--npu-experts on``)."""
     from ling3_rknn.bundle import Bundle
     from ling3_rknn.loading import read_generation_config
     from ling3_rknn.model import Model
@@ -187,7 +188,7 @@ def load_model(hf: Path | None, bundle: Path | None, npu_prefill: str = "auto"
                 read_generation_config(hf / "generation_config.json"))
     assert bundle is not None
     opened = Bundle.open(bundle)
-    return (Model.from_bundle(opened, verify="none",
+    return (Model.from_bundle(opened, verify="none", npu_experts=npu_experts,
                               npu_prefill=npu_prefill),  # type: ignore[arg-type]
             Tokenizer.from_file(opened.path(opened.manifest.tokenizer)),
             opened.manifest.generation_config)
@@ -277,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--npu-prefill", choices=["auto", "on", "off"], default="auto",
                     help="a bundle's prefill attention on the NPU (serve --npu-prefill; on "
                          "a host, on = the librknnrt stand-in)")
+    ap.add_argument("--npu-experts", choices=["on", "off"], default="off",
+                    help="a bundle's routed experts in prefill on the NPU's int8 matmuls "
+                         "(the bundle must carry the int8 copy; on a host, the stand-in)")
     args = ap.parse_args(argv)
     if args.write_cases:
         cases = [asdict(c) for c in make_cases()]
@@ -284,11 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from ling3_rknn.loading import LoadOptions, make_engine
 
-    model, tok, generation_config = load_model(args.hf, args.bundle, args.npu_prefill)
+    model, tok, generation_config = load_model(args.hf, args.bundle, args.npu_prefill,
+                                               args.npu_experts == "on")
     report: dict[str, Any] = {"source": str(args.hf or args.bundle), "wordings": args.wordings,
                               "calls": args.calls,
                               "stages": "simulator" if args.simulate else "as loaded",
-                              "npu_prefill": args.npu_prefill}
+                              "npu_prefill": args.npu_prefill,
+                              "npu_experts": args.npu_experts}
     with contextlib.ExitStack() as stack:
         if args.simulate:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ling3-sim-")))

@@ -28,8 +28,11 @@
 #define ABORT_HI 18432
 #define DOMAIN_BYTES (4ULL << 30)
 #define MAX_DOMAINS 16
-#define MAX_CONTEXTS 4096
-#define MAX_MEMS 64             /* per context */
+#define MAX_CONTEXTS 256
+/* per context: the prefill attention keeps 2 B per head and 2048-row piece on each core's
+ * context (6 heads x 16 pieces x 6 layers at 32K), the experts' store ~330 B per context at
+ * full size; librknnrt documents no such limit */
+#define MAX_MEMS 8192
 #define TILE_N 16               /* output columns one inner loop computes */
 
 typedef struct {
