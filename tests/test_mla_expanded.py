@@ -182,6 +182,37 @@ def test_rows_beyond_the_byte_cap_stay_absorbed():
     assert not scratch.rows  # dropped, not left half-filled
 
 
+@needs_kernel
+def test_the_byte_cap_counts_this_calls_own_rows():
+    """A fresh prompt costs nothing to project beforehand, so only the cap can refuse it:
+    the prompt's own rows are counted, not just the cached ones (0 here)."""
+    bases = {3: _Bases()}
+    per_row = 16 * (256 + 64) * 4
+    assert not PrefillScratch().choose(bases, 64, 0, 200, 128 * per_row)
+    assert PrefillScratch().choose(bases, 64, 0, 128, 128 * per_row)  # exactly fits
+    scratch = PrefillScratch()
+    assert scratch.choose(bases, 64, 0, 64, 128 * per_row)
+    scratch.rows[3].length = 64
+    assert not scratch.choose(bases, 64, 64, 65, 128 * per_row)  # 64 cached + 65 > 128
+    assert not scratch.rows
+
+
+@needs_kernel
+def test_rows_projected_with_other_bases_are_dropped():
+    """Another model's bases (the same shapes): rows projected with the old ones would score
+    against the wrong subspace, so they go and the rows not yet projected count again."""
+    old, new = {3: _Bases()}, {3: _Bases()}
+    scratch = PrefillScratch()
+    assert scratch.choose(old, 64, 0, 64, 2 << 30)
+    scratch.rows[3].length = 64
+    # with the old rows kept, nothing would be left to project and the expanded form free;
+    # dropped, 64 rows must be projected first, which one absorbed chunk does not pay for
+    assert not scratch.choose(new, 64, 64, 64, 2 << 30)
+    assert not scratch.rows
+    assert scratch.choose(new, 64, 0, 64, 2 << 30)
+    assert scratch.rows[3].bases is new[3]
+
+
 # ---------------------------------------------------------------- through the model
 
 
