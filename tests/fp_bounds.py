@@ -102,3 +102,81 @@ def delta_rule_error(tokens: int, d: int, block: int, magnitude: float) -> float
 
 def max_abs(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)).max())
+
+
+def expanded_vs_absorbed_error(q_latent: np.ndarray, q_rope: np.ndarray, latent: np.ndarray,
+                               key_basis: np.ndarray, value_basis: np.ndarray,
+                               w_vb: np.ndarray, scale: float) -> float:
+    """How far MLA's output W_vb ctx may differ between the absorbed form (scores and
+    context over whole latent rows, mla.py) and the expanded one (mla_expanded.py: rows
+    projected per head on orthonormal bases U, V; context taken back through V), each
+    evaluated in float32 over every row (no mask: it only drops terms). Exact in exact
+    arithmetic, so the bound is the sum of both forms' rounding, per head:
+
+    - a score's error, absolute: absorbed, gamma(r + rope + 2) of scale |q|.|c|; expanded,
+      each projection (U^T q, U^T c) an r-term sum, then a (d_nope + rope)-term sum:
+      gamma(r) (|U|^T|q|.|U^T c| + |U^T q|.|U|^T|c|) + gamma(d_nope + rope + 2) |U^T q|.|U^T c|;
+    - the weights' relative error rho (that and e^x's) moves the output by at most
+      2 rho max_j |W_vb c_j| (the weighted mean of the rows' outputs, reweighted);
+    - the context's sums over n rows (+ one rescale per 64), rounding each channel
+      independently, reach the output through a row of W_vb (absorbed) or W_vb V
+      (expanded): that row's 2-norm, as independent errors combine;
+    - the value projection V^T c (r terms) and the way back, V (d_v terms) and W_vb (r
+      terms): gamma of their lengths times the magnitudes they sum, |W_vb||V||V^T c|-sized
+      for the expanded form, |W_vb||ctx| for both.
+    """
+    _, h, r = q_latent.shape
+    n = len(latent)
+    c = latent[:, :r].astype(np.float64)
+    k_rope = np.abs(latent[:, r:].astype(np.float64))
+    sums = 2 * gamma(n + n / 64) + U32
+    worst = 0.0
+    for head in range(h):
+        u, v, w = (a[head].astype(np.float64) for a in (key_basis, value_basis, w_vb))
+        q = q_latent[:, head].astype(np.float64)
+        qr = np.abs(q_rope[:, head].astype(np.float64))
+        rope_part = qr @ k_rope.T
+        absorbed_score = abs(scale) * gamma(r + k_rope.shape[1] + 2) * float(
+            (np.abs(q) @ np.abs(c).T + rope_part).max())
+        qt, kt = np.abs(q @ u), np.abs(c @ u)
+        qa, ka = np.abs(q) @ np.abs(u), np.abs(c) @ np.abs(u)
+        expanded_score = abs(scale) * float((
+            gamma(r) * (qa @ kt.T + qt @ ka.T)
+            + gamma(u.shape[1] + k_rope.shape[1] + 2) * (qt @ kt.T + rope_part)).max())
+        y_max = float(np.abs(c @ w.T).max())  # the rows' outputs W_vb c_j
+        vt = c @ v  # V^T c, the expanded values
+        wv = w @ v
+        ctx_max = float(np.abs(vt).max())  # |V^T ctx| <= max |V^T c_j|: a weighted mean
+        absorbed = (2 * (absorbed_score + EXP_REL) * y_max
+                    + float(np.linalg.norm(w, axis=1).max()) * sums * float(np.abs(c).max())
+                    + gamma(r) * float((np.abs(w) @ np.abs(c).T).max()))
+        expanded = (2 * (expanded_score + EXP_REL) * y_max
+                    + float(np.linalg.norm(wv, axis=1).max()) * sums * ctx_max
+                    + float(np.linalg.norm(wv, axis=1).max()) * gamma(r)
+                    * float((np.abs(c) @ np.abs(v)).max())
+                    + gamma(v.shape[1] + r) * float((np.abs(w) @ np.abs(v)).sum(axis=1).max())
+                    * ctx_max)
+        worst = max(worst, absorbed + expanded)
+    return worst
+
+
+def model_error(config, tokens: int, magnitude: float) -> float:
+    """A first-order estimate of how far two float32 evaluations of the whole model (ours
+    and transformers', two piece splits, compiled and numpy glue) put a logit apart, for
+    ``tokens`` tokens and logits of size ``magnitude``.
+
+    Every rounding on a token's path to its logits, taken as one long sum of independent
+    errors (the probabilistic model above): per layer the sums of the norms and
+    projections (hidden-size terms each: the input norm, the attention's projections in
+    and out, the post-attention norm, the router, an expert's two projections, of the
+    intermediate sizes), the attention (MLA: r + rope terms per score, one per row seen)
+    or the KDA delta rule (a head width plus a 64-token chunk's terms per token seen), and
+    the head (hidden-size terms). First order: the residual stream carries each layer's
+    error to the logits without amplifying it (RMSNorm divides out the scale, softmax and
+    the delta rule are non-expansive); the estimate is doubled for two evaluations."""
+    c = config
+    h = c.hidden_size
+    mla = c.kv_lora_rank + c.qk_rope_head_dim + tokens
+    kda = tokens * (c.kda_head_dim + 64)
+    per_layer = 6 * h + 2 * max(c.intermediate_size, c.moe_intermediate_size) + max(mla, kda)
+    return 2 * gamma(c.num_hidden_layers * per_layer + h) * magnitude
