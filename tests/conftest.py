@@ -67,7 +67,12 @@ def _built(directory: Path, march: str) -> str:
     return native_build.build(directory, march=march).isa
 
 
-@pytest.fixture(scope="module", params=native_build.marches_here())
+# LING3_RKNN_TEST_MARCH=native (a comma list) keeps a session to those kernel builds
+_TEST_MARCHES = tuple(m for m in os.environ.get("LING3_RKNN_TEST_MARCH", "").split(",") if m
+                      ) or native_build.marches_here()
+
+
+@pytest.fixture(scope="module", params=_TEST_MARCHES)
 def kernel_march(request: pytest.FixtureRequest):
     """Run a module's kernel numerics tests on each kernel build this machine can make and
     run: ``native`` (the session's build), then the narrower targets this CPU runs
@@ -83,6 +88,8 @@ def kernel_march(request: pytest.FixtureRequest):
         yield march
         return
     directory = Path(os.environ[native_build.KERNEL_DIR_ENV]).with_name(f"kernels-{march}")
+    if march not in native_build.marches_here():
+        pytest.skip(f"this CPU does not run -march={march}")
     if march not in _KERNEL_ISAS:
         try:
             _KERNEL_ISAS[march] = _built(directory, march)

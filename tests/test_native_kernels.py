@@ -17,7 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from fp_bounds import delta_rule_error, delta_rule_magnitude, max_abs, mla_error
+from fp_bounds import (
+    EXP_REL,
+    U32,
+    delta_rule_error,
+    delta_rule_magnitude,
+    max_abs,
+    mla_error,
+)
 
 from ling3_rknn.model import kda as kda_module
 from ling3_rknn.model import mla, native, native_build
@@ -416,3 +423,29 @@ def test_kda_chunk_kernel_refuses_before_touching_anything():
     call.run(0, 2)
     assert call.failed
     np.testing.assert_array_equal(state, before)
+
+
+@needs_kernel
+@per_isa
+def test_softmax_weights_carry_only_e_to_the_x_and_three_roundings():
+    """Two rows whose scores differ by x (-80 to 80, one value per head lane, so the
+    vectorised path), values 1 and 0: the context is 1 / (1 + e^x), with exact scores and
+    products, so the only errors are e^x's (EXP_REL on each weight) and the 2-row sum and
+    division: relative 2 EXP_REL + 3u. The larger tests' bounds are dominated by the
+    scores' rounding, so this one is what holds e^x itself to its 4 ulp."""
+    x = np.linspace(-80.0, 80.0, 16).astype(np.float32)
+    rows = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)  # [value | key] channels
+    q_t = np.stack([np.zeros(16, np.float32), x])  # [d = 2, heads = 16]
+    want = 1.0 / (1.0 + np.exp(x.astype(np.float64)))
+    bound = (2 * EXP_REL + 3 * U32) * want
+    decoded = native.mla_attend(q_t, [rows], 0, 2, 1)  # the context before normalising
+    assert decoded is not None
+    ctx, denominator, _ = decoded
+    assert (np.abs(ctx[0] / denominator - want) <= bound).all()
+    # the prefill kernel: the 16 values as 16 query columns at position 1 (both rows seen)
+    call = native.mla_prefill(np.ascontiguousarray(q_t.T), np.ones(16, np.int64), [rows], 2, 2,
+                              1)
+    assert call is not None
+    call.run(0, call.tiles)
+    assert not call.failed
+    assert (np.abs(call.result()[:, 0] - want) <= bound).all()
