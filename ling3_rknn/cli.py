@@ -285,14 +285,18 @@ def _add_build_kernels(commands: Any) -> None:
     build.add_argument("--dir", type=Path, metavar="DIR",
                        help="where to put them (default: $LING3_RKNN_KERNEL_DIR, else "
                             "<venv>/lib/ling3-rknn); the service must find them there")
+    build.add_argument("--march", metavar="TARGET",
+                       help="a narrower target than this CPU's own, to test another vector "
+                            "width (x86-64-v4, x86-64-v3, x86-64; armv8-a on aarch64; default: "
+                            "$LING3_RKNN_KERNEL_MARCH, else native)")
 
 
-def build_kernels(directory: Path | None) -> int:
+def build_kernels(directory: Path | None, march: str | None = None) -> int:
     from ling3_rknn.model import native_build
 
     target = directory or native_build.kernel_directory()
     try:
-        manifest = native_build.build(target)
+        manifest = native_build.build(target, march=march)
     except native_build.BuildError as exc:
         print(f"ling3-rknn: decode kernels not built: {exc}\n"
               "  without them the decode glue runs on numpy (correct, slower); "
@@ -455,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_warm(args.url, args.files, args.api_key, args.model)
     if args.command == "build-kernels":
-        return build_kernels(args.dir)
+        return build_kernels(args.dir, args.march)
     if args.command == "convert":
         from convert.cli import run_convert
 

@@ -52,6 +52,67 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_STATE_DIR, ignore_errors=True)
 
 
+_KERNEL_ISAS: dict[str, str] = {}  # -march -> the ISA its build reports, built this session
+
+
+def _built(directory: Path, march: str) -> str:
+    """The ISA of ``march``'s kernels in ``directory``: another xdist worker's build of the
+    same sources when there is one, else built now."""
+    try:
+        manifest = native_build.Manifest.read(directory / native_build.MANIFEST)
+        if manifest.mismatch() is None and manifest.flags[-1] == f"-march={march}":
+            return manifest.isa
+    except (OSError, ValueError, TypeError):
+        pass
+    return native_build.build(directory, march=march).isa
+
+
+# LING3_RKNN_TEST_MARCH=native (a comma list) keeps a session to those kernel builds
+_TEST_MARCHES = tuple(m for m in os.environ.get("LING3_RKNN_TEST_MARCH", "").split(",") if m
+                      ) or native_build.marches_here()
+
+
+@pytest.fixture(scope="module", params=_TEST_MARCHES)
+def kernel_march(request: pytest.FixtureRequest):
+    """Run a module's kernel numerics tests on each kernel build this machine can make and
+    run: ``native`` (the session's build), then the narrower targets this CPU runs
+    (``native_build.NARROWER``: AVX-512, AVX2 + FMA, SSE2 on x86-64; plain NEON on
+    aarch64), so the vector widths and instruction choices other hosts get are tested here
+    too. A target whose build reports the same ISA as one tested already (x86-64-v4 on an
+    AVX-512 host) is skipped, as is one this compiler cannot build. Module-scoped: pytest
+    groups a module's tests per build, one switch each; each build takes ~2 s, once."""
+    from ling3_rknn.model import native
+
+    march = request.param
+    if march == "native":
+        yield march
+        return
+    directory = Path(os.environ[native_build.KERNEL_DIR_ENV]).with_name(f"kernels-{march}")
+    if march not in native_build.marches_here():
+        pytest.skip(f"this CPU does not run -march={march}")
+    if march not in _KERNEL_ISAS:
+        try:
+            _KERNEL_ISAS[march] = _built(directory, march)
+        except native_build.BuildError as exc:
+            _KERNEL_ISAS[march] = ""
+            sys.stderr.write(f"conftest.py: no -march={march} kernels: {exc}\n")
+    isa = _KERNEL_ISAS[march]
+    if not isa:
+        pytest.skip(f"-march={march} does not build here")
+    native_isa = native_build.Manifest.read(
+        native_build.kernel_directory() / native_build.MANIFEST).isa
+    earlier = [m for m in _KERNEL_ISAS if m != march and _KERNEL_ISAS[m] == isa]
+    if isa == native_isa or any(native_build.marches_here().index(m)
+                                < native_build.marches_here().index(march) for m in earlier):
+        pytest.skip(f"-march={march} builds the same ISA as a wider target ({isa})")
+    status = native.use_library(directory)
+    try:
+        assert native.available(), status
+        yield march
+    finally:
+        native.use_library(None)
+
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Tiny random Ling-3.0 checkpoints + transformers 5.24.0 reference logits
 # (regenerate with tests/oracle/make_fixtures.py).

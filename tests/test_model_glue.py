@@ -6,6 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fp_bounds import (
+    EXP_REL,
+    U32,
+    delta_rule_error,
+    delta_rule_magnitude,
+    gamma,
+    max_abs,
+    mla_error,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,8 +63,10 @@ def test_chunked_kda_equals_recurrence(t, compiled, monkeypatch):
         o_chk = kda_chunked(q, k, v, g, beta, s_chk)
     finally:
         native.set_enabled(True)
-    np.testing.assert_allclose(o_chk, o_rec, atol=2e-5, rtol=0)
-    np.testing.assert_allclose(s_chk.value(), s_rec.value(), atol=2e-5, rtol=0)
+    # two float32 runs of t tokens: d-term reads, a 64-token chunk's solve and products
+    bound = 2 * delta_rule_error(t, 16, 64, delta_rule_magnitude(s0, v, g, beta))
+    np.testing.assert_allclose(o_chk, o_rec, atol=bound, rtol=0)
+    np.testing.assert_allclose(s_chk.value(), s_rec.value(), atol=bound, rtol=0)
 
 
 @pytest.mark.parametrize("strength", [0.1, 1.0, 5.0, "mixed"])
@@ -74,6 +85,9 @@ def test_recurrence_matches_literal_delta_rule(strength):
         g = (-strength * rng.random((t_len, 2, 8))).astype(F32)
     g[60, 0] = -200.0  # exp underflows to 0 in float32: head 0 is wiped at once
     s = RecurrentState.zeros((2, 8, 8))
+    # one float32 run against float64: d-term reads and up to PENDING queued corrections
+    bound = delta_rule_error(t_len, 8, RecurrentState.PENDING,
+                             delta_rule_magnitude(s.body, v, g, beta))
     outs = [
         kda_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)
         for t in range(t_len)
@@ -85,8 +99,8 @@ def test_recurrence_matches_literal_delta_rule(strength):
             ref[h] = np.diag(np.exp(g[t, h].astype(np.float64))) @ ref[h]
             e = ref[h].T @ k[t, h]
             ref[h] += np.outer(k[t, h], beta[t, h] * (v[t, h] - e))
-            np.testing.assert_allclose(out[t, h], ref[h].T @ q[t, h], atol=2e-5)
-    np.testing.assert_allclose(s.value(), ref, atol=2e-5)
+            np.testing.assert_allclose(out[t, h], ref[h].T @ q[t, h], atol=bound)
+    np.testing.assert_allclose(s.value(), ref, atol=bound)
 
 
 @pytest.mark.parametrize("d", [8, 16], ids=["numpy-width", "kernel-width"])
@@ -103,6 +117,8 @@ def test_decode_prefill_decode_with_snapshots_matches_literal(d):
     g = (-0.5 * rng.random((t_len, h, d))).astype(F32)
     s = RecurrentState((0.2 * rng.standard_normal((h, d, d))).astype(F32))
     ref = s.body.astype(np.float64)
+    # one float32 run against float64; the pieces take the recurrent and chunked forms
+    bound = delta_rule_error(t_len, d, 64, delta_rule_magnitude(s.body, v, g, beta))
     start, outs, snap = 0, [], None
     for n in pieces:
         sl = slice(start, start + n)
@@ -115,15 +131,16 @@ def test_decode_prefill_decode_with_snapshots_matches_literal(d):
             ref[j] = np.diag(np.exp(g[t, j].astype(np.float64))) @ ref[j]
             e = ref[j].T @ k[t, j]
             ref[j] += np.outer(k[t, j], beta[t, j] * (v[t, j] - e))
-            np.testing.assert_allclose(np.concatenate(outs)[t, j], ref[j].T @ q[t, j], atol=3e-5)
-    np.testing.assert_allclose(s.value(), ref, atol=3e-5)
+            np.testing.assert_allclose(np.concatenate(outs)[t, j], ref[j].T @ q[t, j],
+                                       atol=bound)
+    np.testing.assert_allclose(s.value(), ref, atol=bound)
     at, value = snap
     restored = RecurrentState.zeros((h, d, d))
     restored.set(value)
     for t in range(at, t_len):
         sl = slice(t, t + 1)
         kda_core(q[sl], k[sl], v[sl], g[sl], beta[sl], restored)
-    np.testing.assert_allclose(restored.value(), ref, atol=3e-5)
+    np.testing.assert_allclose(restored.value(), ref, atol=bound)
 
 
 def test_recurrent_state_value_fold_and_set():
@@ -132,9 +149,9 @@ def test_recurrent_state_value_fold_and_set():
     s.decay(0.5 + 0.5 * rng.random((2, 4)).astype(F32))  # the row scales only
     assert not np.array_equal(s.value(), s.body)
     expect = s.body * s.scale[:, :, None]
-    np.testing.assert_allclose(s.value(), expect, rtol=1e-6)
+    np.testing.assert_array_equal(s.value(), expect)  # the same one product per entry
     s.fold()
-    np.testing.assert_allclose(s.body, expect, rtol=1e-6)
+    np.testing.assert_array_equal(s.body, expect)
     assert (s.scale == 1).all()
     s.set(np.ones((2, 4, 3), F32))
     assert s.value().sum() == 24
@@ -149,13 +166,17 @@ def test_short_conv_in_pieces_equals_whole():
     # literal causal conv with zero history
     pad = np.concatenate([np.zeros((3, 12), F32), x])
     lit = sum(pad[j : j + 30] * kernel[:, j] for j in range(4))
-    np.testing.assert_allclose(whole, lit / (1 + np.exp(-lit)), atol=1e-6)
+    # the same 4-term sums in another order (2 gamma(4) of sum |x||w|), then x sigmoid(x):
+    # e^x's error and three roundings, relative, of a value no larger than |x|
+    size = sum(np.abs(pad[j : j + 30] * kernel[:, j]) for j in range(4))
+    np.testing.assert_allclose(whole, lit / (1 + np.exp(-lit)), rtol=0,
+                               atol=(2 * gamma(4) + 2 * (EXP_REL + 3 * U32)) * size.max())
     np.testing.assert_array_equal(tail, x[-3:])
     t, parts = np.zeros((3, 12), F32), []
     for a, b in ((0, 1), (1, 2), (2, 17), (17, 30)):
         out, t = short_conv(x[a:b], t, taps)
         parts.append(out)
-    np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-6)
+    np.testing.assert_array_equal(np.concatenate(parts), whole)  # the same sums per row
 
 
 def hf_rope(x, cos, sin):
@@ -173,13 +194,17 @@ def test_rope_scores_equal_transformers_layout():
     k = rng.standard_normal((10, 1, 8)).astype(F32)
     ours = np.einsum("thd,sd->ths", apply_rope(q, cos, sin), apply_rope(k[:, 0], cos, sin))
     ref = np.einsum("thd,sd->ths", hf_rope(q, cos, sin), hf_rope(k, cos, sin)[:, 0])
-    np.testing.assert_allclose(ours, ref, atol=1e-5)
-    # position 0 is the identity, and rotation preserves norms
+    # a rotated value is a 2-term sum, a score an 8-term sum of their products: two
+    # float32 evaluations within 2 gamma(8 + 2 + 2) of sum |q||k| (|rotated| <= |x| pairs)
+    size = np.einsum("thd,sd->ths", np.abs(q), np.abs(k[:, 0])) * 2
+    assert (np.abs(ours - ref) <= 2 * gamma(12) * size).all()
+    # position 0 is the identity (cos 1, sin 0: exact), and rotation preserves norms up to
+    # the rotation's 2-term sums and the norm's 8-term sum, both sides
     c0, s0 = rope_angles(np.array([0]), 8, 6e6)
-    np.testing.assert_allclose(apply_rope(q[:1], c0, s0), q[:1], atol=1e-7)
+    np.testing.assert_array_equal(apply_rope(q[:1], c0, s0), q[:1])
     np.testing.assert_allclose(
-        np.linalg.norm(apply_rope(q, cos, sin), axis=-1), np.linalg.norm(q, axis=-1), rtol=1e-5
-    )
+        np.linalg.norm(apply_rope(q, cos, sin), axis=-1), np.linalg.norm(q, axis=-1),
+        rtol=2 * gamma(2 + 8 + 1))
 
 
 def naive_mla(q_nope, q_rope, rows, w_kb, w_vb, scale):
@@ -226,7 +251,17 @@ def test_absorbed_mla_equals_expanded(context, t, growth):
     assert ctx.shape == (t, h, r)
     got = np.einsum("thr,hvr->thv", ctx, w_vb)
     ref = naive_mla(q_nope, q_rope, rows, w_kb, w_vb, 0.3)
-    np.testing.assert_allclose(got, ref, atol=2e-4, rtol=1e-4)
+    # float32 against float64: the absorbed query's dn-term sums move each score by up to
+    # gamma(dn) of scale (|q_nope||W_kb|).|c|, the attention's own (mla_error), the
+    # context carried through a row of W_vb (|W_vb| row sum) and W_vb's r-term sum
+    c = np.abs(rows[:, :r].astype(np.float64))
+    q_err = 0.3 * gamma(dn) * float((np.einsum("thn,hnr->thr", np.abs(q_nope), np.abs(w_kb))
+                                     .reshape(-1, r) @ c.T).max())
+    w_row = float(np.abs(w_vb).sum(axis=2).max())
+    bound = (w_row * (mla_error(q_latent, q_rope, cache.blocks(), context, 0.3)
+                      + 2 * q_err * float(c.max()))
+             + gamma(r) * w_row * float(c.max()))
+    assert max_abs(got, ref) <= bound
 
 
 @pytest.mark.parametrize(("context", "t", "parts"),
@@ -249,7 +284,7 @@ def test_mla_split_across_threads_matches_one_pass(context, t, parts):
     with ThreadPoolExecutor(parts - 1) as pool:
         split = mla_attention(q_latent, q_rope, cache.blocks(), cache.length, 0.3,
                               pool=pool, parts=parts)
-    np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-6)
+    assert max_abs(split, one) <= 2 * mla_error(q_latent, q_rope, cache.blocks(), context, 0.3)
 
 
 def hf_route(logits, bias, n_group, topk_group, top_k, normalize, scaling):
@@ -302,7 +337,10 @@ def test_routing_matches_transformers(seed, shape, normalize, t):
     for row in range(t):
         assert sorted(ids[row].tolist()) == ref_ids[row]
         for e_id, weight in zip(ids[row].tolist(), w[row].tolist(), strict=True):
-            assert weight == pytest.approx(ref_w[row][e_id], rel=1e-5)
+            # a sigmoid (e^x and 2 roundings), a top_k-term normalising sum, a division
+            # and the scaling, in float32 against float64
+            rel = EXP_REL + 2 * U32 + gamma(top_k) + 2 * U32
+            assert weight == pytest.approx(ref_w[row][e_id], rel=rel)
 
 
 def test_expert_bias_steers_selection_but_not_weights():
@@ -347,7 +385,9 @@ def test_rms_norm_eps_sits_inside_the_square_root():
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * w
     got = rms_norm(x, w, eps)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    # float32 against float64: a 4-term sum of squares, the eps, a square root, a
+    # division and the weight, 8 roundings in all, relative
+    np.testing.assert_allclose(got, want, rtol=gamma(8), atol=0)
     assert abs(got[0, 0]) == pytest.approx(1 / np.sqrt(2), rel=1e-4)  # not ~1.0
     assert np.all(got[1] == 0)
 
@@ -368,4 +408,5 @@ def test_recurrent_state_hands_the_kernel_its_own_buffers():
         b.deltas[:, step] = 0.5
         s.kernel_step_done()
     assert s.pending == 0  # the full queue was applied to the body
-    np.testing.assert_allclose(s.value(), before + s.PENDING * 0.5, rtol=1e-5)
+    # 16 products 1 x 0.5 summed are exactly 8 in float32: one rounding, as in the expected
+    np.testing.assert_array_equal(s.value(), before + np.float32(s.PENDING * 0.5))

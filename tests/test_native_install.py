@@ -65,7 +65,8 @@ def _edit_manifest(directory: Path, **changes) -> None:
 
 
 @needs_cc
-def test_build_writes_a_readable_library_and_its_manifest(tmp_path):
+def test_build_writes_a_readable_library_and_its_manifest(tmp_path, monkeypatch):
+    monkeypatch.delenv(native_build.MARCH_ENV, raising=False)
     old = os.umask(0o077)  # as under the unit's UMask: the service's user must still read
     try:
         manifest = native_build.build(tmp_path / "k")
@@ -83,6 +84,41 @@ def test_build_writes_a_readable_library_and_its_manifest(tmp_path):
     assert manifest.isa.split()[0] in ("x86_64", "aarch64", "other")
     assert "-march=native" in manifest.flags or not native_build.machine_flags()
     assert native_build.Manifest.read(tmp_path / "k" / native_build.MANIFEST) == manifest
+
+
+def test_a_narrower_target_is_built_when_asked_and_refused_when_unknown(tmp_path, monkeypatch,
+                                                                       capsys):
+    """One machine builds each vector width it runs (tests/conftest.py ``kernel_march``):
+    the target is passed to the compiler and recorded; an unknown one, or one for another
+    machine, is refused before anything is compiled."""
+    assert native_build.machine_flags("x86_64", "x86-64-v3") == ("-march=x86-64-v3",)
+    assert native_build.machine_flags("aarch64", "armv8-a") == ("-march=armv8-a",)
+    with pytest.raises(native_build.BuildError, match="not a target for aarch64"):
+        native_build.machine_flags("aarch64", "x86-64-v3")
+    assert native_build.marches_here()[0] == "native"
+    assert all(native_build.runs_here(m) for m in native_build.marches_here())
+    monkeypatch.setattr(native_build, "compiler", lambda: pytest.fail("compiled"))
+    assert cli.main(["build-kernels", "--dir", str(tmp_path / "k"), "--march", "pentium"]) == 1
+    assert "-march=pentium is not a target" in capsys.readouterr().err
+    monkeypatch.setenv(native_build.MARCH_ENV, "pentium")
+    with pytest.raises(native_build.BuildError, match="pentium"):
+        native_build.build(tmp_path / "k")
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: set())  # a CPU without AVX2
+    if "x86-64-v3" in native_build.NARROWER.get(native_build._machine_family(), {}):
+        assert not native_build.runs_here("x86-64-v3")
+        with pytest.raises(native_build.BuildError, match="cannot run"):
+            native_build.build(tmp_path / "k", march="x86-64-v3")
+
+
+@needs_cc
+def test_a_narrower_build_records_its_target(tmp_path):
+    march = native_build.marches_here()[-1]  # the narrowest this CPU runs
+    manifest = native_build.build(tmp_path / "k", march=march)
+    assert manifest.flags[-1] == f"-march={march}" or march == "native"
+    assert native.use_library(tmp_path / "k").startswith(f"compiled ({tmp_path / 'k'}")
+    assert native.available()
+    native.use_library(None)
+    assert native.status().startswith(f"compiled ({native.library_path()}; ")
 
 
 def test_a_failing_compiler_is_reported_and_leaves_nothing(tmp_path):

@@ -73,7 +73,7 @@ def _open(path: Path) -> tuple[Any, str] | str:
     return lib, f"compiled ({path}; {manifest.isa}; built {manifest.built} by {manifest.compiler})"
 
 
-def _load() -> Any:
+def _load(path: Path | None = None) -> Any:
     global _library, _loaded, _status
     if _loaded:
         return _library
@@ -82,7 +82,7 @@ def _load() -> Any:
         _status = f"switched off ({NATIVE_ENV}=0): decode glue on numpy"
         log.info("decode glue: numpy (%s)", _status)
         return None
-    opened = _open(library_path())
+    opened = _open(path or library_path())
     if isinstance(opened, str):
         _status = f"{opened}: decode glue on numpy"
         log.warning("compiled decode kernels unavailable: %s (%s)", _status, _FIX)
@@ -101,6 +101,19 @@ def status() -> str:
 def available() -> bool:
     """Whether the decode glue runs compiled (built, loadable and not switched off)."""
     return _enabled and _load() is not None
+
+
+def use_library(directory: Path | None = None) -> str:
+    """Open the kernels built in ``directory`` (None: the installed ones) in place of the
+    library this process uses now, with the same checks as the first load, and return the
+    status line. For running the same calls on several builds in one process: the tests
+    hold every vector width a machine can build to the numpy paths (tests/conftest.py).
+    The library given up stays mapped (ctypes cannot unload it): arrays it handed out are
+    numpy's own, so nothing refers into it."""
+    global _library, _loaded
+    _library, _loaded = None, False
+    _load(directory / LIBRARY if directory is not None else None)
+    return _status
 
 
 def set_enabled(enabled: bool) -> None:

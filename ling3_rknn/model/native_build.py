@@ -57,16 +57,71 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
-def machine_flags(machine: str | None = None) -> tuple[str, ...]:
+# Narrower targets ``build-kernels --march`` takes besides ``native``, widest first, with the
+# /proc/cpuinfo flags a CPU needs to run code built for them. On x86-64 they are the psABI
+# levels (v4: AVX-512, 16 floats a vector; v3: AVX2 + FMA + F16C, 8; the baseline: SSE2, 4,
+# no F16C so a float16 cache stays on numpy); on aarch64 the plain ARMv8-A (NEON, 4 floats,
+# no fp16 arithmetic or dot products). They let one wide machine build and test every vector
+# width the kernels have (tests/conftest.py); the service wants ``native``.
+MARCH_ENV = "LING3_RKNN_KERNEL_MARCH"
+_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+NARROWER: dict[str, dict[str, frozenset[str]]] = {
+    "x86_64": {"x86-64-v4": frozenset(_V4), "x86-64-v3": frozenset(_V3),
+               "x86-64": frozenset()},
+    "aarch64": {"armv8-a": frozenset()},
+}
+
+
+def _machine_family(machine: str | None = None) -> str:
+    machine = machine or platform.machine()
+    return {"AMD64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def machine_flags(machine: str | None = None, march: str = "native") -> tuple[str, ...]:
     """The target flags for this machine. ``-march=native`` everywhere, as llama.cpp builds
     by default: on x86-64 the host's AVX-512 or AVX2 (+F16C for the float16 cache), on
     aarch64 what gcc reads from an RK3588's cpuinfo, ``armv8.2-a+crypto+fp16+rcpc+dotprod``
     (the aarch64 tier checks the kernels built so; ``-mcpu`` would add A76 tuning, which
-    nobody has measured on the board)."""
-    machine = machine or platform.machine()
-    if machine in ("x86_64", "AMD64", "aarch64", "arm64"):
+    nobody has measured on the board). ``march`` names one of ``NARROWER`` instead (raises
+    BuildError for another name)."""
+    family = _machine_family(machine)
+    if march != "native":
+        if march not in NARROWER.get(family, {}):
+            known = ", ".join(["native", *NARROWER.get(family, {})])
+            raise BuildError(f"-march={march} is not a target for {family} (one of: {known})")
+        return (f"-march={march}",)
+    if family in NARROWER:
         return ("-march=native",)
     return ()  # another machine: the compiler's defaults, still correct
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return set()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def runs_here(march: str) -> bool:
+    """Whether this CPU runs code built with ``-march=march`` (``native`` always does)."""
+    if march == "native":
+        return True
+    needs = NARROWER.get(_machine_family(), {}).get(march)
+    return needs is not None and needs <= _cpu_flags()
+
+
+def marches_here() -> tuple[str, ...]:
+    """``native`` and the narrower targets this CPU runs, widest first: the kernel paths a
+    test session can build and run on this machine (some may name the same code, e.g.
+    ``x86-64-v4`` on an AVX-512 host; the builder's ISA string tells them apart)."""
+    return ("native", *(m for m in NARROWER.get(_machine_family(), {}) if runs_here(m)))
 
 
 def cpu_identity() -> str:
@@ -160,13 +215,19 @@ def _write_readable(directory: Path, name: str, write: str | Path) -> None:
 
 
 def build(directory: Path | None = None, cc: str | None = None,
-          source_dir: Path = SOURCE_DIR) -> Manifest:
+          source_dir: Path = SOURCE_DIR, march: str | None = None) -> Manifest:
     """Compile the kernels for this machine into ``directory`` (default
     ``kernel_directory()``) and write their manifest, then the NPU matmul stand-in
     (``npu/matmul_standin_build.py``). Concurrent builds each compile into
     their own temporary file; the library and then its manifest replace the old ones
-    atomically. Raises BuildError with the compiler's message."""
+    atomically. ``march`` (default ``$LING3_RKNN_KERNEL_MARCH``, else ``native``) may name
+    a narrower target this CPU runs (``NARROWER``). Raises BuildError with the compiler's
+    message, or for a target that is unknown or that this CPU cannot run."""
     directory = directory or kernel_directory()
+    march = march or os.environ.get(MARCH_ENV) or "native"
+    target = machine_flags(march=march)
+    if not runs_here(march):
+        raise BuildError(f"this CPU cannot run code built with -march={march}")
     cc = cc or compiler()
     if cc is None:
         raise BuildError("no C compiler (cc or $CC) on PATH")
@@ -174,7 +235,7 @@ def build(directory: Path | None = None, cc: str | None = None,
         directory.mkdir(parents=True, exist_ok=True)
         if directory.stat().st_uid == os.getuid():  # made under a strict umask: open it
             os.chmod(directory, directory.stat().st_mode | 0o755)
-        return _build_into(directory, cc, source_dir)
+        return _build_into(directory, cc, source_dir, target)
     except PermissionError as exc:
         raise BuildError(f"cannot write {directory}: {exc} (run as the user that installed "
                          f"the venv, or set ${KERNEL_DIR_ENV})") from exc
@@ -182,8 +243,9 @@ def build(directory: Path | None = None, cc: str | None = None,
         raise BuildError(f"cannot build into {directory}: {exc}") from exc
 
 
-def _build_into(directory: Path, cc: str, source_dir: Path) -> Manifest:
-    flags = [*_COMMON_FLAGS, *machine_flags()]
+def _build_into(directory: Path, cc: str, source_dir: Path, target: tuple[str, ...]
+                ) -> Manifest:
+    flags = [*_COMMON_FLAGS, *target]
     with tempfile.TemporaryDirectory(prefix="ling3-native-", dir=directory) as work:
         built = Path(work) / LIBRARY
         command = [cc, *flags, "-o", str(built), *(str(source_dir / s) for s in SOURCES), "-lm"]

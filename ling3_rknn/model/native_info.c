@@ -20,6 +20,9 @@ const char *ling3_native_isa(void) {
 #if defined(__AVX512F__)
         " avx512f"
 #endif
+#if defined(__AVX512FP16__)
+        " avx512fp16"
+#endif
 #if defined(__AVX2__)
         " avx2"
 #endif
