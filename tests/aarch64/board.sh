@@ -42,6 +42,8 @@ pytest=(/opt/ling3-rknn/.venv/bin/pytest -p no:cacheprovider -q)
 # which auto would not pick here, the real rknnlite being installed; the real binding is
 # checked on its own in tests/aarch64/test_board_tier.py.
 export PYTHONDONTWRITEBYTECODE=1 LING3_RKNN_STATE_DIR=/tmp/ling3-state LING3_NPU_RUNTIME=mock
+# the board's own build only (not also armv8-a: the board never runs it; x86 runs every width)
+export LING3_RKNN_TEST_MARCH=native
 
 if want kernels; then
     step "1. decode kernels (NEON, _Float16) against numpy; oracle decode; float16 latents;" \
