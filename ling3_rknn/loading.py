@@ -157,7 +157,18 @@ def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
         default_cache_bytes=DEFAULT_CACHE_BYTES,
         default_prefill_scratch_bytes=PREFILL_SCRATCH_BYTES,
         npu_experts=npu_experts,
+        scratch_first_bytes=_npu_rows_bytes(model, max_context),
     )
+
+
+def _npu_rows_bytes(model: Model, max_context: int) -> int:
+    """The NPU attention's rows for a prompt at the context limit (0 without it)."""
+    attention = model.npu_attention
+    bases = model.cpu.mla_bases
+    if attention is None or not bases:
+        return 0
+    first = next(iter(bases.values()))
+    return attention.bytes_for(first, model.config.qk_rope_head_dim, max_context) * len(bases)
 
 
 def npu_experts_setting(options: LoadOptions) -> bool | None:

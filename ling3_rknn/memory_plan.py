@@ -213,10 +213,14 @@ def plan_memory(
     default_cache_bytes: int,
     default_prefill_scratch_bytes: int,
     npu_experts: NpuExpertsChoice | None = None,
+    scratch_first_bytes: int = 0,
 ) -> MemoryPlan:
     """The sizes for the consumers left ``None`` (see the module docstring).
     ``npu_experts``: the int8 copy's choice, carried into the plan's report (its bytes are
-    already in ``model_bytes`` when it was taken)."""
+    already in ``model_bytes`` when it was taken). ``scratch_first_bytes``: what the prefill
+    scratch should get before the cache's halves (the NPU attention's rows for a prompt at
+    the context limit: without them an agent's first request falls back to the CPU), after
+    the cache's one snapshot."""
     total = meminfo.get("MemTotal") if meminfo else None
     available = meminfo.get("MemAvailable") if meminfo else None
     if total is None or available is None:
@@ -234,6 +238,8 @@ def plan_memory(
     if cache_bytes is None and prefill_scratch_bytes is None:
         # one full-context snapshot first, then halves; each share at most its default
         cache = min(default_cache_bytes, max(free // 2, min(free, sequence_bytes)))
+        if scratch_first_bytes:  # the NPU rows before the cache's half
+            cache = min(cache, max(min(free, sequence_bytes), free - scratch_first_bytes))
         scratch = min(default_prefill_scratch_bytes, free - cache)
         cache = min(default_cache_bytes, free - scratch)  # what the scratch left
         auto = ["cache", "prefill scratch"]

@@ -283,3 +283,23 @@ def test_the_machine_figures_take_the_cgroup_limit(monkeypatch) -> None:
     assert memory_plan.machine_memory() == {"MemTotal": 8 * GIB, "MemAvailable": 5 * GIB}
     monkeypatch.setattr(memory_plan, "cgroup_memory", lambda: None)
     assert memory_plan.machine_memory() == board(32, 30)
+
+
+def test_the_npu_attention_rows_come_before_the_caches_half() -> None:
+    """A 16 GB board beside the int8 expert copy: 1.75 GiB to share. Halves would leave the
+    scratch 0.88 GiB, under the 1.13 GB of NPU rows opencode's 16.6K first request needs (9
+    pieces of 2048 rows x 61,440 bytes), and the prompt would fall back to the CPU; the rows
+    first keep one snapshot for the cache and give the scratch the rest."""
+    spare = int(1.75 * GIB)
+    seq = int(0.44 * GIB)
+    rows_32k = 16 * 2048 * 61440
+    common = dict(model_bytes=0, sequence_bytes=seq, meminfo=board(
+        (spare + seq + RUNTIME_RESERVE) / GIB, (spare + seq + RUNTIME_RESERVE) / GIB),
+        cache_bytes=None, prefill_scratch_bytes=None, **DEFAULTS)
+    halves = plan_memory(**common)
+    first = plan_memory(**common, scratch_first_bytes=rows_32k)
+    assert halves.prefill_scratch_bytes < 9 * 2048 * 61440
+    assert first.cache_bytes == seq  # one full-context snapshot still fits
+    assert first.prefill_scratch_bytes == first.spare_bytes - seq >= 9 * 2048 * 61440
+    roomy = plan_memory(**{**common, "meminfo": board(15.6, 9.0)}, scratch_first_bytes=rows_32k)
+    assert (roomy.cache_bytes, roomy.prefill_scratch_bytes) == (2 * GIB, 2 * GIB)

@@ -504,3 +504,23 @@ def test_attend_raises_only_once_every_core_has_stopped():
                     0.1)
     raised = _time.perf_counter()
     assert finished and max(finished) <= raised  # no matmul after attend gave up
+
+
+def test_the_memory_plan_gives_the_npu_rows_of_a_long_prompt_first(monkeypatch):
+    from ling3_rknn.demo import bundle_dir
+    from ling3_rknn.loading import LoadOptions, memory_plan_for
+
+    _standin().close()
+    monkeypatch.setenv("LING3_NPU_RUNTIME", "mock")
+    npu = Model.from_bundle(bundle_dir(), verify="none", npu_prefill="on")
+    cpu = Model.from_bundle(bundle_dir(), verify="none", npu_prefill="off")
+    c = npu.config
+    rows = (npu.npu_attention.bytes_for(next(iter(npu.cpu.mla_bases.values())),
+                                        c.qk_rope_head_dim, 32768) * len(c.mla_layers))
+    gib = 1 << 30
+    # room for one snapshot and the rows, not for halves of the rest as well
+    tight = {"MemTotal": 64 * gib, "MemAvailable": int(1.1 * gib) + rows}
+    with_rows = memory_plan_for(npu, LoadOptions(), 32768, meminfo=tight)
+    without = memory_plan_for(cpu, LoadOptions(), 32768, meminfo=tight)
+    assert with_rows.prefill_scratch_bytes >= rows > without.prefill_scratch_bytes
+    npu.npu_attention.close()
