@@ -40,7 +40,14 @@ from ling3_rknn.npu import matmul_abi as abi
 from ling3_rknn.npu import matmul_standin_build
 from ling3_rknn.npu.executors import LIBRKNNRT, RUNTIME_ENV
 from ling3_rknn.npu.matmul_layout import native_tile, read_native, write_native
-from ling3_rknn.npu.matmul_plan import NPU_CORES, MatmulB, MatmulError, MatmulShape, check_shape
+from ling3_rknn.npu.matmul_plan import (
+    NPU_CORES,
+    MatmulB,
+    MatmulError,
+    MatmulShape,
+    check_shape,
+    declared_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,21 +112,6 @@ class RknnMatmulRuntime:
 
     def __repr__(self) -> str:
         return f"RknnMatmulRuntime({self.name}, {self.path})"
-
-
-def declared_rows(shape: MatmulShape, rows: Sequence[int]) -> tuple[int, ...]:
-    """``rows`` as a dynamic context's M list: increasing, distinct, the largest ``shape.m``,
-    each M a shape ``check_shape`` passes (so every declared shape is checked at plan
-    time); () for a static context."""
-    if not rows:
-        return ()
-    ms = tuple(sorted({int(r) for r in rows}))
-    if len(ms) != len(rows) or ms[-1] != shape.m:
-        raise MatmulError(f"{shape}: dynamic rows {tuple(rows)} must be distinct, the largest "
-                          f"being m = {shape.m}")
-    for m in ms:
-        check_shape(replace(shape, m=m))
-    return ms
 
 
 def _view(mem: abi.TensorMem, dtype: np.dtype, count: int) -> np.ndarray:
