@@ -636,14 +636,26 @@ def test_bench_times_the_prefill_plans_shapes(monkeypatch):
     for shape in shapes.values():
         check_shape(shape)
     monkeypatch.setenv(RUNTIME_ENV, "mock")
+    assert npu_matmul.dynamic_shapes() == {
+        "expert_gate_up": MatmulShape(256, 1536, 1024, "int8"),
+        "expert_down": MatmulShape(256, 512, 1536, "int8")}
     monkeypatch.setattr(npu_matmul, "plan_shapes", lambda: {
         "fixed": MatmulShape(1, 32, 32, "int8"), "bad": MatmulShape(1, 48, 32, "int8")})
+    monkeypatch.setattr(npu_matmul, "dynamic_shapes", lambda: {
+        "small": MatmulShape(64, 64, 32, "int8"), "bad": MatmulShape(64, 48, 32, "int8")})
     figures = npu_matmul.measure(runs=2)
     assert figures["runtime"] == "stand-in"
     assert figures["shapes"]["fixed"]["us_per_run"] > 0
     assert "multiple of 32" in figures["shapes"]["bad"]["error"]
+    dynamic = figures["dynamic"]
+    assert set(dynamic) == {"small_m16", "small_m32", "small_m64", "bad"}
+    assert dynamic["small_m16"]["shape"] == "int8 16x64x32 (dynamic, M in (16, 32, 64))"
+    assert dynamic["small_m16"]["switch_us_per_run"] > 0
+    assert all(dynamic[f"small_m{m}"]["npu_us_per_run"] > 0 for m in (16, 32, 64))
+    assert "multiple of 32" in dynamic["bad"]["error"]
     text = "\n".join(npu_matmul.summary_lines(figures))
     assert "host stand-in: not NPU figures" in text and "bad" in text and "failed" in text
+    assert "dynamic-M" in text and "small_m16" in text and "after M = 64" in text
     monkeypatch.setenv(RUNTIME_ENV, "gpu")
     assert npu_matmul.measure(runs=2)["runtime"] is None
     assert "not measured" in npu_matmul.summary_lines(npu_matmul.measure(runs=2))[0]
