@@ -1,13 +1,23 @@
 """A numpy test double of the NPU matmul runtime (``ling3_rknn.npu.matmul_plan``'s
-Protocols): exact int32 products for int8, the plan's shape checks at create, B owned by
-its context, and a record of every run (rows, core, domain) and of the B bytes per IOMMU
-domain, so tests can see how the executor spread and cut its work."""
+Protocols): exact int32 products for int8, the plan's shape checks at create (every
+declared M of a dynamic context too), B owned by its context, and a record of every run
+(the M the NPU would compute: the smallest declared M >= A's rows, all m for a static
+context; core, domain) and of the B bytes per IOMMU domain, so tests can see how the
+executor spread and cut its work."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from ling3_rknn.npu.matmul_plan import DOMAIN_BYTES, MatmulError, MatmulShape, check_shape
+from ling3_rknn.npu.matmul_plan import (
+    DOMAIN_BYTES,
+    MatmulError,
+    MatmulShape,
+    check_shape,
+    declared_rows,
+)
 
 
 class DoubleB:
@@ -25,9 +35,10 @@ class DoubleB:
 
 
 class DoubleContext:
-    def __init__(self, runtime: DoubleRuntime, shape: MatmulShape, core: int, domain: int
-                 ) -> None:
+    def __init__(self, runtime: DoubleRuntime, shape: MatmulShape, core: int, domain: int,
+                 rows: Sequence[int] = ()) -> None:
         check_shape(shape)
+        self.rows = declared_rows(shape, rows)
         self.runtime, self.shape, self.core, self.domain = runtime, shape, core, domain
         self.closed = False
 
@@ -52,7 +63,8 @@ class DoubleContext:
         if a.dtype != s.a_dtype or a.ndim != 2 or a.shape[1] != s.k or not 1 <= len(a) <= s.m:
             raise MatmulError(f"{s}: A must be {s.a_dtype} [1..{s.m}, {s.k}], got {a.dtype} "
                               f"{a.shape}")
-        self.runtime.runs.append((len(a), s.k, s.n, self.core, self.domain))
+        m = next((r for r in self.rows if r >= len(a)), s.m)
+        self.runtime.runs.append((m, s.k, s.n, self.core, self.domain))
         # int64 products summed exactly, then checked to fit int32 as the NPU's C does
         c = a.astype(np.int64) @ b.values.astype(np.int64)
         assert np.abs(c).max(initial=0) < 2**31
@@ -69,10 +81,11 @@ class DoubleRuntime:
         self.domain_limit = domain_limit
         self.domain_bytes: dict[int, int] = {}
         self.contexts: list[DoubleContext] = []
-        self.runs: list[tuple[int, int, int, int, int]] = []  # rows, k, n, core, domain
+        self.runs: list[tuple[int, int, int, int, int]] = []  # m, k, n, core, domain
 
-    def context(self, shape: MatmulShape, *, core: int = 0, domain: int = 0) -> DoubleContext:
-        ctx = DoubleContext(self, shape, core, domain)
+    def context(self, shape: MatmulShape, *, core: int = 0, domain: int = 0,
+                rows: Sequence[int] = ()) -> DoubleContext:
+        ctx = DoubleContext(self, shape, core, domain, rows)
         self.contexts.append(ctx)
         return ctx
 

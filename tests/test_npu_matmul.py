@@ -456,6 +456,125 @@ def test_switching_b_between_runs(runtime):
         assert np.array_equal(ctx.run(a, bb), want)
 
 
+# --- dynamic M (rknn_matmul_create_dynamic_shape) ---------------------------------------
+
+def rows_run(runtime, ctx) -> int:
+    """The stand-in's count of rows its runs computed on ``ctx`` (the sum of M)."""
+    fn = runtime.lib.ling3_standin_rows_run
+    fn.restype, fn.argtypes = ctypes.c_int64, [matmul_abi.Context]
+    return int(fn(ctx.handle))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp16"])
+def test_dynamic_context_runs_the_smallest_declared_m(runtime, dtype):
+    """One context, one B written once: each run computes the smallest declared M that
+    holds A's rows (the library's count says so), the products those of A's rows, in any
+    order of M, the B switched between shapes too."""
+    rng = _rng(7)
+    k, n = 96, 64
+    ctx = runtime.context(MatmulShape(64, k, n, dtype), rows=(64, 16, 32))
+    assert ctx.rows == (16, 32, 64) and ctx.m == 64 and "M in (16, 32, 64)" in repr(ctx)
+    if dtype == "int8":
+        a = rng.integers(-128, 128, (64, k), dtype=np.int8)
+        bs = [rng.integers(-128, 128, (k, n), dtype=np.int8) for _ in range(2)]
+    else:
+        a, b0 = _fp16_operands(rng, 64, k, n)
+        bs = [b0, rng.standard_normal((k, n)).astype(np.float16)]
+    held = []
+    for b in bs:
+        held.append(ctx.new_b())
+        ctx.write_b(held[-1], b)
+    computed = 0
+    for rows, m, which in [(5, 16, 0), (16, 16, 1), (17, 32, 1), (64, 64, 0), (1, 16, 0),
+                           (33, 64, 1), (32, 32, 0)]:
+        c = ctx.run(a[:rows], held[which])
+        computed += m
+        assert ctx.m == m and rows_run(runtime, ctx) == computed
+        want = _exact(a[:rows], bs[which])
+        if dtype == "int8":
+            assert np.array_equal(c, want)
+        else:
+            assert np.all(np.abs(c - want) <= _fp16_bound(a[:rows], bs[which]))
+    ctx.rerun()  # the library call alone, at the M of the last run
+    assert rows_run(runtime, ctx) == computed + 32
+    with pytest.raises(MatmulError, match=r"A must be \[1..64"):
+        ctx.run(np.zeros((65, k), a.dtype), held[0])
+
+
+def test_a_static_context_computes_all_m(runtime):
+    """The reason for the dynamic form: a static context's run computes every row."""
+    ctx = runtime.context(MatmulShape(64, 32, 32, "int8"))
+    bb = ctx.new_b()
+    ctx.run(np.ones((5, 32), np.int8), bb)
+    assert ctx.rows == () and ctx.m == 64 and rows_run(runtime, ctx) == 64
+
+
+def test_dynamic_rows_are_checked_at_plan_time(runtime, monkeypatch):
+    shape = MatmulShape(64, 64, 32, "int8")
+    for rows, match in [((16, 32), "largest being m = 64"), ((16, 16, 64), "distinct"),
+                        ((0, 64), "m must be at least 1")]:
+        with pytest.raises(MatmulError, match=match):
+            runtime.context(shape, rows=rows)
+    # a declared M whose A + B + C overflow the domain is refused like a static shape
+    big = MatmulShape(1 << 20, 1024, 1024, "int8")
+    with pytest.raises(MatmulError, match="4 GB"):
+        runtime.context(big, rows=(16, big.m))
+    monkeypatch.setattr(matmul_abi, "has_dynamic", lambda lib: False)
+    with pytest.raises(MatmulError, match="lacks rknn_matmul_create_dynamic_shape"):
+        runtime.context(shape, rows=(16, 64))
+    assert runtime.context(shape).rows == ()  # static contexts still run
+
+
+def _raw_dynamic(lib, ms, k=64, n=32, ks=None):
+    count = len(ms)
+    shapes = (matmul_abi.DynamicShape * count)(
+        *(matmul_abi.DynamicShape(M=m, K=(ks or [k] * count)[i], N=n) for i, m in enumerate(ms)))
+    ios = (matmul_abi.MatmulIoAttr * count)()
+    info = matmul_abi.MatmulInfo(type=matmul_abi.INT8_MM_INT8_TO_INT32,
+                                 B_layout=matmul_abi.LAYOUT_NATIVE)
+    handle = matmul_abi.Context(0)
+    ret = lib.rknn_matmul_create_dynamic_shape(ctypes.byref(handle), ctypes.byref(info), count,
+                                               shapes, ios)
+    return ret, handle, shapes, ios
+
+
+def test_the_stand_in_keeps_the_dynamic_rules(runtime):
+    """Shapes sharing K and N, distinct M; only a declared shape is set; A and C are set
+    after set_dynamic_shape and again after every change, B stays set."""
+    lib = runtime.lib
+    assert _raw_dynamic(lib, [16, 32], ks=[64, 96])[0] == -5  # K differs
+    assert _raw_dynamic(lib, [16, 16])[0] == -5
+    assert _raw_dynamic(lib, [16, 32], k=48)[0] == -5  # K % 32
+    ret, h, shapes, ios = _raw_dynamic(lib, [16, 32])
+    assert ret == 0
+    try:
+        assert [tuple(io.A.shape) for io in ios] == [(16, 64), (32, 64)]
+        assert ios[0].B.shape == ios[1].B.shape == (1, 2, 32, 32)
+        mems = [lib.rknn_create_mem(h, ios[1].A.size), lib.rknn_create_mem(h, ios[1].B.size),
+                lib.rknn_create_mem(h, ios[1].C.size)]
+        assert lib.rknn_matmul_set_io_mem(h, mems[0], ctypes.byref(ios[1].A)) == -5  # no shape
+        other = matmul_abi.DynamicShape(M=8, K=64, N=32)
+        assert lib.rknn_matmul_set_dynamic_shape(h, ctypes.byref(other)) == -5
+        assert lib.rknn_matmul_set_dynamic_shape(h, ctypes.byref(shapes[1])) == 0
+        for mem, attr in zip(mems, (ios[1].A, ios[1].B, ios[1].C), strict=True):
+            assert lib.rknn_matmul_set_io_mem(h, mem, ctypes.byref(attr)) == 0
+        assert lib.rknn_matmul_run(h) == 0
+        assert lib.rknn_matmul_set_dynamic_shape(h, ctypes.byref(shapes[0])) == 0
+        assert lib.rknn_matmul_run(h) == -8  # A and C not set again
+        assert lib.rknn_matmul_set_io_mem(h, mems[0], ctypes.byref(ios[0].A)) == 0
+        assert lib.rknn_matmul_set_io_mem(h, mems[2], ctypes.byref(ios[0].C)) == 0
+        assert lib.rknn_matmul_run(h) == 0  # B kept
+    finally:
+        assert lib.rknn_matmul_destroy(h) == 0
+    static = matmul_abi.Context(0)
+    io = matmul_abi.MatmulIoAttr()
+    info = matmul_abi.MatmulInfo(M=16, K=64, N=32, type=matmul_abi.INT8_MM_INT8_TO_INT32,
+                                 B_layout=matmul_abi.LAYOUT_NATIVE)
+    assert lib.rknn_matmul_create(ctypes.byref(static), ctypes.byref(info), ctypes.byref(io)) == 0
+    assert lib.rknn_matmul_set_dynamic_shape(static, ctypes.byref(shapes[0])) == -5
+    lib.rknn_matmul_destroy(static)
+
+
 # --- which library ----------------------------------------------------------------------
 
 def test_library_choice(monkeypatch, tmp_path):
@@ -517,14 +636,26 @@ def test_bench_times_the_prefill_plans_shapes(monkeypatch):
     for shape in shapes.values():
         check_shape(shape)
     monkeypatch.setenv(RUNTIME_ENV, "mock")
+    assert npu_matmul.dynamic_shapes() == {
+        "expert_gate_up": MatmulShape(256, 1536, 1024, "int8"),
+        "expert_down": MatmulShape(256, 512, 1536, "int8")}
     monkeypatch.setattr(npu_matmul, "plan_shapes", lambda: {
         "fixed": MatmulShape(1, 32, 32, "int8"), "bad": MatmulShape(1, 48, 32, "int8")})
+    monkeypatch.setattr(npu_matmul, "dynamic_shapes", lambda: {
+        "small": MatmulShape(64, 64, 32, "int8"), "bad": MatmulShape(64, 48, 32, "int8")})
     figures = npu_matmul.measure(runs=2)
     assert figures["runtime"] == "stand-in"
     assert figures["shapes"]["fixed"]["us_per_run"] > 0
     assert "multiple of 32" in figures["shapes"]["bad"]["error"]
+    dynamic = figures["dynamic"]
+    assert set(dynamic) == {"small_m16", "small_m32", "small_m64", "bad"}
+    assert dynamic["small_m16"]["shape"] == "int8 16x64x32 (dynamic, M in (16, 32, 64))"
+    assert dynamic["small_m16"]["switch_us_per_run"] > 0
+    assert all(dynamic[f"small_m{m}"]["npu_us_per_run"] > 0 for m in (16, 32, 64))
+    assert "multiple of 32" in dynamic["bad"]["error"]
     text = "\n".join(npu_matmul.summary_lines(figures))
     assert "host stand-in: not NPU figures" in text and "bad" in text and "failed" in text
+    assert "dynamic-M" in text and "small_m16" in text and "after M = 64" in text
     monkeypatch.setenv(RUNTIME_ENV, "gpu")
     assert npu_matmul.measure(runs=2)["runtime"] is None
     assert "not measured" in npu_matmul.summary_lines(npu_matmul.measure(runs=2))[0]

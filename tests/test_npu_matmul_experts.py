@@ -16,6 +16,8 @@ per operation (a 1e-5 relative slack).
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from matmul_double import DoubleRuntime
@@ -27,7 +29,7 @@ from convert.experts_quant import (
 )
 from convert.qmoe_graph import build_qmoe_model
 from ling3_rknn.model import FloatExperts
-from ling3_rknn.npu import ExpertError, QMoeExperts
+from ling3_rknn.npu import ExpertError, QMoeExperts, matmul_abi
 from ling3_rknn.npu.matmul_experts import (
     Int8MatmulExperts,
     MatmulExpertStore,
@@ -289,6 +291,34 @@ def test_grouping_edge_cases(weights, packed):
                                _exact_int8_reference(x, single, w, packed), rtol=1e-4,
                                atol=1e-5)
     assert layers[3].run(x[:0], ids[:0], w[:0]).shape == (0, D)
+
+
+def test_a_small_group_costs_the_npu_its_bucket_not_the_largest(packed):
+    """Five tokens on experts 0 and 1 with the product's buckets (16 ... 256): each of the
+    four runs (two experts, two projections) computes M = 16 rows on the stand-in library
+    (its own count), not 256, and the result is still the int8 arithmetic's."""
+    from ling3_rknn.npu.matmul_experts import ROW_BUCKETS
+
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(5, D)).astype(np.float32)
+    ids = np.tile(np.array([[0, 1]]), (5, 1))
+    w = rng.random((5, K)).astype(np.float32)
+    want = _exact_int8_reference(x, ids, w, packed)
+    rt = _standin_runtime()
+    try:
+        store, layers = _executor(rt, packed, buckets=ROW_BUCKETS)
+        np.testing.assert_allclose(layers[3].run(x, ids, w), want, rtol=1e-4, atol=1e-5)
+        counter = rt.lib.ling3_standin_rows_run
+        counter.restype, counter.argtypes = ctypes.c_int64, [matmul_abi.Context]
+        computed = sum(counter(ctx.handle) for ctx in store._contexts.values())
+        assert computed == 4 * ROW_BUCKETS[0]
+        store.close()
+    finally:
+        rt.close()
+    double = DoubleRuntime()
+    _, layers = _executor(double, packed, buckets=ROW_BUCKETS)
+    np.testing.assert_allclose(layers[3].run(x, ids, w), want, rtol=1e-4, atol=1e-5)
+    assert [r[0] for r in double.runs] == [16] * 4
 
 
 def test_routing_inputs_are_checked(packed):

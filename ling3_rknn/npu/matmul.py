@@ -1,12 +1,13 @@
 """librknnrt's matmul API through ctypes: the board's library or the host stand-in.
 
-One :class:`RknnMatmulContext` is one ``rknn_matmul_ctx`` created with
-``rknn_matmul_create`` for one fixed shape (``matmul_plan.MatmulShape``, checked by
-``check_shape`` first), pinned to one NPU core (``rknn_matmul_set_core_mask``) in one
-IOMMU domain (``rknn_matmul_info.iommu_domain_id``). Why the static create and not
-``rknn_matmul_create_dynamic_shape``: the plan gives every context one shape, and the
-dynamic form allocates A and C for its largest shape anyway; a smaller batch of rows runs
-here as the first rows of A (``run`` takes A with up to m rows).
+One :class:`RknnMatmulContext` is one ``rknn_matmul_ctx`` for one shape
+(``matmul_plan.MatmulShape``, checked by ``check_shape`` first), pinned to one NPU core
+(``rknn_matmul_set_core_mask``) in one IOMMU domain (``rknn_matmul_info.iommu_domain_id``).
+Without ``rows`` it is made by ``rknn_matmul_create`` and every run computes all m rows (A
+may hold fewer: they are its first rows). With ``rows`` (several M, the largest the
+shape's m) it is made by ``rknn_matmul_create_dynamic_shape`` and each run computes the
+smallest declared M that holds A's rows (``rknn_matmul_set_dynamic_shape`` when that M
+changes), over the same B buffers: B's native layout depends on K and N only.
 
 A and C live in runtime memory made once per context (``rknn_create_mem``) and set once
 (``rknn_matmul_set_io_mem``); ``run`` copies A in (casting on the way, no staging array),
@@ -29,6 +30,8 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +40,14 @@ from ling3_rknn.npu import matmul_abi as abi
 from ling3_rknn.npu import matmul_standin_build
 from ling3_rknn.npu.executors import LIBRKNNRT, RUNTIME_ENV
 from ling3_rknn.npu.matmul_layout import native_tile, read_native, write_native
-from ling3_rknn.npu.matmul_plan import NPU_CORES, MatmulB, MatmulError, MatmulShape, check_shape
+from ling3_rknn.npu.matmul_plan import (
+    NPU_CORES,
+    MatmulB,
+    MatmulError,
+    MatmulShape,
+    check_shape,
+    declared_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +94,12 @@ class RknnMatmulRuntime:
         self._lock = threading.Lock()
         self._closed = False
 
-    def context(self, shape: MatmulShape, *, core: int = 0, domain: int = 0
-                ) -> RknnMatmulContext:
+    def context(self, shape: MatmulShape, *, core: int = 0, domain: int = 0,
+                rows: Sequence[int] = ()) -> RknnMatmulContext:
         with self._lock:
             if self._closed:
                 raise MatmulError(f"the {self.name} matmul runtime is closed")
-            ctx = RknnMatmulContext(self, shape, core=core, domain=domain)
+            ctx = RknnMatmulContext(self, shape, core=core, domain=domain, rows=rows)
             self._contexts = [c for c in self._contexts if not c.closed] + [ctx]
             return ctx
 
@@ -139,11 +149,17 @@ class NativeB:
 
 
 class RknnMatmulContext:
-    """One ``rknn_matmul_ctx`` (``MatmulContext``): a fixed shape on one core and domain."""
+    """One ``rknn_matmul_ctx`` (``MatmulContext``) on one core and domain: a fixed shape, or
+    (``rows``) the shape at each of several M over the same B buffers."""
 
     def __init__(self, runtime: RknnMatmulRuntime, shape: MatmulShape, *, core: int = 0,
-                 domain: int = 0) -> None:
+                 domain: int = 0, rows: Sequence[int] = ()) -> None:
         check_shape(shape)
+        self.rows = declared_rows(shape, rows)
+        if self.rows and not abi.has_dynamic(runtime.lib):
+            raise MatmulError(f"{runtime.name} ({runtime.path}) lacks "
+                              "rknn_matmul_create_dynamic_shape: dynamic M needs librknnrt "
+                              "of SDK 2.3.2 (docs/npu-matmul.md)")
         if not 0 <= core < NPU_CORES:
             raise MatmulError(f"NPU core {core}: the RK3588 has cores 0..{NPU_CORES - 1}")
         if domain < 0:
@@ -158,25 +174,45 @@ class RknnMatmulContext:
         self._current_b: NativeB | None = None
         self._handle = abi.Context(0)
         self.io = abi.MatmulIoAttr()
+        # the M the next run computes (None: unknown after a failed shape change)
+        self._m: int | None = shape.m
         info = abi.MatmulInfo(M=shape.m, K=shape.k, N=shape.n, type=_TYPES[shape.dtype],
                               B_layout=abi.LAYOUT_NATIVE, AC_layout=abi.LAYOUT_NORM,
                               iommu_domain_id=domain)
-        self._call("rknn_matmul_create", self._lib.rknn_matmul_create(
-            ctypes.byref(self._handle), ctypes.byref(info), ctypes.byref(self.io)))
+        # per declared M (one entry, the shape itself, for a static context)
+        count = max(len(self.rows), 1)
+        self._dyn = (abi.DynamicShape * count)(
+            *(abi.DynamicShape(M=m, K=shape.k, N=shape.n) for m in self.rows or (shape.m,)))
+        self._ios = (abi.MatmulIoAttr * count)()
+        if self.rows:
+            # info's M, K and N are ignored by this call (the header); set to the largest
+            self._call("rknn_matmul_create_dynamic_shape",
+                       self._lib.rknn_matmul_create_dynamic_shape(
+                           ctypes.byref(self._handle), ctypes.byref(info), count, self._dyn,
+                           self._ios))
+        else:
+            self._call("rknn_matmul_create", self._lib.rknn_matmul_create(
+                ctypes.byref(self._handle), ctypes.byref(info), ctypes.byref(self._ios[0])))
+        self.io = self._ios[count - 1]  # the largest M's: A and C are sized by it
+        self._io_now = self.io  # the attributes of the M in effect
         self._a_mem: ctypes._Pointer | None = None
         self._c_mem: ctypes._Pointer | None = None
         try:
             self._call("rknn_matmul_set_core_mask",
                        self._lib.rknn_matmul_set_core_mask(self._handle, _CORE_MASKS[core]))
             self._check_attrs()
-            self._a_mem = a_mem = self._create_mem(self.io.A.size)
-            self._c_mem = c_mem = self._create_mem(self.io.C.size)
-            self._a = _view(a_mem.contents, shape.a_dtype,
+            self._a_mem = self._create_mem(max(io.A.size for io in self._ios))
+            self._c_mem = self._create_mem(max(io.C.size for io in self._ios))
+            self._a = _view(self._a_mem.contents, shape.a_dtype,
                             shape.m * shape.k).reshape(shape.m, shape.k)
-            self._c = _view(c_mem.contents, shape.c_dtype,
+            self._c = _view(self._c_mem.contents, shape.c_dtype,
                             shape.m * shape.n).reshape(shape.m, shape.n)
-            self._set_io(a_mem, self.io.A)
-            self._set_io(c_mem, self.io.C)
+            if self.rows:
+                self._m = None
+                self._select(shape.m)
+            else:
+                self._set_io(self._a_mem, self.io.A)
+                self._set_io(self._c_mem, self.io.C)
         except BaseException:
             self._destroy()
             raise
@@ -190,22 +226,58 @@ class RknnMatmulContext:
             raise MatmulError(f"{what} for {self.shape} (core {self.core}, domain "
                               f"{self.domain}, {self.runtime_name}): {abi.error_name(ret)}")
 
+    @property
+    def handle(self) -> int:
+        """The library's context handle (0 once closed): for diagnostics and tests."""
+        return int(self._handle.value)
+
+    @property
+    def m(self) -> int | None:
+        """The M the next run computes unless A needs another (None after a failed shape
+        change: the next run sets it again)."""
+        return self._m
+
     def _check_attrs(self) -> None:
-        """The runtime's own view of A, B and C must be the one this binding packs for."""
-        s = self.shape
-        sub_n, sub_k = native_tile(s)
-        b_dims = self.io.B.shape
+        """The runtime's own view of A, B and C, at every declared M, must be the one this
+        binding packs for; at every M the same B (one B buffer serves them all)."""
+        s0 = self.shape
+        sub_n, sub_k = native_tile(s0)
         problems = []
-        if self.io.A.shape != (s.m, s.k) or self.io.A.size < s.a_bytes:
-            problems.append(f"A {self.io.A.shape} of {self.io.A.size} bytes")
-        if self.io.C.shape != (s.m, s.n) or self.io.C.size < s.c_bytes:
-            problems.append(f"C {self.io.C.shape} of {self.io.C.size} bytes")
-        if len(b_dims) != 4 or b_dims[2:] != (sub_n, sub_k) or self.io.B.size < s.b_bytes:
-            problems.append(f"native B {b_dims} of {self.io.B.size} bytes (expected tiles "
-                            f"{sub_n} x {sub_k})")
+        for dyn, io in zip(self._dyn, self._ios, strict=True):
+            s = replace(s0, m=dyn.M)
+            b_dims = io.B.shape
+            if io.A.shape != (s.m, s.k) or io.A.size < s.a_bytes:
+                problems.append(f"A {io.A.shape} of {io.A.size} bytes")
+            if io.C.shape != (s.m, s.n) or io.C.size < s.c_bytes:
+                problems.append(f"C {io.C.shape} of {io.C.size} bytes")
+            if len(b_dims) != 4 or b_dims[2:] != (sub_n, sub_k) or io.B.size < s.b_bytes:
+                problems.append(f"native B {b_dims} of {io.B.size} bytes (expected tiles "
+                                f"{sub_n} x {sub_k})")
+            elif (b_dims, io.B.size) != (self.io.B.shape, self.io.B.size):
+                problems.append(f"at M {s.m} a B {b_dims} of {io.B.size} bytes, at M "
+                                f"{s0.m} {self.io.B.shape} of {self.io.B.size}")
         if problems:
-            raise MatmulError(f"{s}: the runtime describes {', '.join(problems)}; this "
+            raise MatmulError(f"{s0}: the runtime describes {', '.join(problems)}; this "
                               "binding does not know that layout (docs/npu-matmul.md)")
+
+    def _select(self, rows: int) -> None:
+        """Make the smallest declared M >= ``rows`` the one in effect: the library's shape,
+        then A and C set again (the SDK demo's order: set_io_mem after
+        set_dynamic_shape); B stays set across shapes (lock held)."""
+        if not self.rows:
+            return
+        i = next(j for j, m in enumerate(self.rows) if m >= rows)
+        if self.rows[i] == self._m:
+            return
+        self._m = None
+        assert self._a_mem is not None and self._c_mem is not None
+        self._call("rknn_matmul_set_dynamic_shape",
+                   self._lib.rknn_matmul_set_dynamic_shape(self._handle,
+                                                           ctypes.byref(self._dyn[i])))
+        self._set_io(self._a_mem, self._ios[i].A)
+        self._set_io(self._c_mem, self._ios[i].C)
+        self._io_now = self._ios[i]
+        self._m = self.rows[i]
 
     def _create_mem(self, size: int) -> ctypes._Pointer:
         mem = self._lib.rknn_create_mem(self._handle, size)
@@ -260,7 +332,8 @@ class RknnMatmulContext:
 
     def run(self, a: np.ndarray, b: MatmulB, out: np.ndarray | None = None) -> np.ndarray:
         """C [rows, n] = A [rows, k] x B for 1 <= rows <= m (float32 for fp16, int32 for
-        int8): a fresh array, or ``out`` (C-contiguous, that shape and dtype) filled."""
+        int8): a fresh array, or ``out`` (C-contiguous, that shape and dtype) filled. A
+        dynamic context computes the smallest declared M >= rows; a static one all m."""
         a = self._operand("A", a)
         s = self.shape
         if a.ndim != 2 or a.shape[1] != s.k or not 1 <= a.shape[0] <= s.m:
@@ -272,9 +345,10 @@ class RknnMatmulContext:
                               f"got {out.dtype} {out.shape}")
         with self._lock:
             native, mem = self._check_b(b)
+            self._select(rows)
             np.copyto(self._a[:rows], a, casting="same_kind")
             if self._current_b is not native:
-                self._set_io(mem, self.io.B)
+                self._set_io(mem, self._io_now.B)
                 self._current_b = native
             self._call("rknn_matmul_run", self._lib.rknn_matmul_run(self._handle))
             if out is None:
@@ -318,6 +392,7 @@ class RknnMatmulContext:
                 self._lib.rknn_destroy_mem(self._handle, mem)
         self._a_mem = self._c_mem = None
         self._a = self._c = None  # type: ignore[assignment]
+        self._m = None
         ret = self._lib.rknn_matmul_destroy(self._handle)
         self._handle = abi.Context(0)
         if ret != 0:
@@ -330,4 +405,5 @@ class RknnMatmulContext:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"core {self.core}, domain {self.domain}"
-        return f"RknnMatmulContext({self.shape}, {state}, {self.runtime_name})"
+        rows = f", M in {self.rows}" if self.rows else ""
+        return f"RknnMatmulContext({self.shape}{rows}, {state}, {self.runtime_name})"

@@ -97,11 +97,18 @@ class MatmulInfo(ctypes.Structure):
     ]
 
 
+class DynamicShape(ctypes.Structure):
+    """``rknn_matmul_shape``: one (M, K, N) of a dynamic-shape context."""
+
+    _fields_ = [("M", ctypes.c_int32), ("K", ctypes.c_int32), ("N", ctypes.c_int32)]
+
+
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "rknn_tensor_mem": TensorMem,
     "rknn_matmul_tensor_attr": MatmulTensorAttr,
     "rknn_matmul_io_attr": MatmulIoAttr,
     "rknn_matmul_info": MatmulInfo,
+    "rknn_matmul_shape": DynamicShape,
 }
 
 _MemP = ctypes.POINTER(TensorMem)
@@ -119,12 +126,31 @@ PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
         ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                        ctypes.POINTER(MatmulInfo)]),
 }
+# The dynamic-shape pair (one context, several M over one B): bound when the library has
+# them, so a librknnrt without them still runs the static contexts.
+DYNAMIC_PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
+    "rknn_matmul_create_dynamic_shape": (
+        ctypes.c_int, [ctypes.POINTER(Context), ctypes.POINTER(MatmulInfo), ctypes.c_int,
+                       ctypes.POINTER(DynamicShape), ctypes.POINTER(MatmulIoAttr)]),
+    "rknn_matmul_set_dynamic_shape": (ctypes.c_int, [Context, ctypes.POINTER(DynamicShape)]),
+}
 
 
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:
-    """Set every prototype on ``library`` (raises AttributeError for a missing symbol)."""
+    """Set every prototype on ``library`` (raises AttributeError for a missing symbol of
+    ``PROTOTYPES``; a missing ``DYNAMIC_PROTOTYPES`` pair leaves ``has_dynamic`` false)."""
     for name, (restype, argtypes) in PROTOTYPES.items():
         fn = getattr(library, name)
         fn.restype = restype
         fn.argtypes = argtypes
+    for name, (restype, argtypes) in DYNAMIC_PROTOTYPES.items():
+        fn = getattr(library, name, None)
+        if fn is not None:
+            fn.restype = restype
+            fn.argtypes = argtypes
     return library
+
+
+def has_dynamic(library: ctypes.CDLL) -> bool:
+    """Whether ``library`` exports the dynamic-shape pair."""
+    return all(hasattr(library, name) for name in DYNAMIC_PROTOTYPES)

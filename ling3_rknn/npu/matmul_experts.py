@@ -9,10 +9,11 @@ a float32 scale per output channel. At load every B is written once into NPU mem
 
 A piece of T tokens (``NpuLayerExperts.run``, the expert executors' signature) is grouped by
 expert; each token's activations are quantized once to int8 (symmetric, scale max|x|/127);
-one int8 matmul per (expert, projection) and bucket of rows (16 ... 256; zero rows pad a
-group to its bucket, a larger group runs in several) gives int32 C, dequantized by token
-scale x channel scale; SwiGLU on the CPU; the intermediate requantized per row for the down
-projection; the outputs weighted by the routing weights and summed per token.
+one int8 matmul per (expert, projection) and bucket of rows (16 ... 256: a dynamic-M
+context runs at the smallest bucket that holds the group, a larger group runs in several)
+gives int32 C, dequantized by token scale x channel scale; SwiGLU on the CPU; the
+intermediate requantized per row for the down projection; the outputs weighted by the
+routing weights and summed per token.
 
 Error of one output (docs/performance.md, "Routed experts in prefill on the NPU"): the
 int32 sums are exact, so the only roundings are the three quantizations (x, the weights,
@@ -49,8 +50,9 @@ from ling3_rknn.npu.matmul_plan import (
 
 log = logging.getLogger(__name__)
 
-# Rows per matmul run: a group is padded with zero rows to the smallest bucket that holds
-# it; a group larger than the last runs in pieces of the last.
+# Rows per matmul run (the M a dynamic context declares): a group runs at the smallest
+# bucket that holds it, the NPU computing that many rows; a group larger than the last runs
+# in pieces of the last.
 ROW_BUCKETS = (16, 32, 64, 128, 256)
 # Pieces shorter than this stay on the CPU's int4 QMoE kernel: at T tokens a layer hits up to
 # min(E, T x k) experts and pays two NPU runs (~33 us fixed each on the board) per expert hit,
@@ -188,7 +190,9 @@ _Proj = int  # 0: gate+up, 1: down
 
 class MatmulExpertStore:
     """Every MoE layer's int8 experts written once into NPU memory, and the contexts that
-    run them: per projection, one context per (core, domain) at the largest row bucket.
+    run them: per projection, one context per (core, domain) declaring every row bucket as
+    an M (``rows``), so a group of 5 rows costs the NPU 16 rows, not 256; A and C are
+    sized for the largest bucket.
 
     ``load(layer)`` gives one layer's copy at a time (read from its file), so the host holds
     one layer's weights while they are written, never the whole copy beside the NPU's."""
@@ -254,7 +258,8 @@ class MatmulExpertStore:
     def _write(self, slot: Slot, proj: _Proj, values: np.ndarray) -> MatmulB:
         ctx = self._contexts.get((slot, proj))
         if ctx is None:
-            ctx = self._runtime.context(self.shapes[proj], core=slot.core, domain=slot.domain)
+            ctx = self._runtime.context(self.shapes[proj], core=slot.core, domain=slot.domain,
+                                        rows=self.buckets)
             self._contexts[slot, proj] = ctx
         b = ctx.new_b()
         ctx.write_b(b, np.ascontiguousarray(values))
@@ -269,20 +274,13 @@ class MatmulExpertStore:
             slot = self.slots[layer, e]
             per_core.setdefault(slot.core, []).append(
                 (self._contexts[slot, proj], self._bs[layer, e][proj], start, n))
-        width = self.shapes[proj].k
 
         def work(items: list[tuple[MatmulContext, MatmulB, int, int]]) -> None:
-            pad = np.zeros((self.buckets[-1], width), np.int8)
             for ctx, b, start, n in items:
-                for off, rows, bucket in bucket_rows(n, self.buckets):
-                    src = a[start + off:start + off + rows]
-                    if bucket == rows:
-                        c = ctx.run(src, b)
-                    else:
-                        pad[:rows] = src
-                        pad[rows:bucket] = 0
-                        c = ctx.run(pad[:bucket], b)
-                    out[start + off:start + off + rows] = c[:rows]
+                # the context runs each piece at its bucket (the smallest declared M >= rows)
+                for off, rows, _ in bucket_rows(n, self.buckets):
+                    part = slice(start + off, start + off + rows)
+                    out[part] = ctx.run(a[part], b)
 
         jobs = list(per_core.values())
         if len(jobs) <= 1:

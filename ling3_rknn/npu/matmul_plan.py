@@ -10,7 +10,8 @@ reaches the runtime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 import numpy as np
@@ -99,6 +100,21 @@ def check_shape(shape: MatmulShape) -> None:
         raise MatmulError(f"{shape}: A, B and C do not fit one 4 GB IOMMU domain")
 
 
+def declared_rows(shape: MatmulShape, rows: Sequence[int]) -> tuple[int, ...]:
+    """``rows`` as a dynamic context's M list: increasing, distinct, the largest ``shape.m``,
+    each M a shape ``check_shape`` passes (so every declared shape is checked at plan
+    time); () for a static context."""
+    if not rows:
+        return ()
+    ms = tuple(sorted({int(r) for r in rows}))
+    if len(ms) != len(rows) or ms[-1] != shape.m:
+        raise MatmulError(f"{shape}: dynamic rows {tuple(rows)} must be distinct, the largest "
+                          f"being m = {shape.m}")
+    for m in ms:
+        check_shape(replace(shape, m=m))
+    return ms
+
+
 def padded(size: int, align: int) -> int:
     """``size`` rounded up to a multiple of ``align`` (zero rows / columns pad a matmul
     without changing the products)."""
@@ -115,7 +131,8 @@ class MatmulB(Protocol):
 
 
 class MatmulContext(Protocol):
-    """One ``rknn_matmul_ctx``: a fixed shape on one NPU core and IOMMU domain."""
+    """One ``rknn_matmul_ctx`` on one NPU core and IOMMU domain: a fixed shape, or one
+    shape at several M (``MatmulRuntime.context``'s ``rows``) over the same B buffers."""
 
     shape: MatmulShape
 
@@ -127,7 +144,9 @@ class MatmulContext(Protocol):
         alignments (the rest of B is left as it was)."""
 
     def run(self, a: np.ndarray, b: MatmulB) -> np.ndarray:
-        """C [m, n] (float32 for fp16, int32 for int8) for A [m, k] and the held ``b``."""
+        """C [rows, n] (float32 for fp16, int32 for int8) for A [rows, k], 1 <= rows <= m,
+        and the held ``b``: computed at the smallest declared M >= rows (all m when the
+        context was made without ``rows``)."""
 
     def close(self) -> None: ...
 
@@ -137,7 +156,9 @@ class MatmulRuntime(Protocol):
 
     name: str
 
-    def context(self, shape: MatmulShape, *, core: int = 0, domain: int = 0
-                ) -> MatmulContext: ...
+    def context(self, shape: MatmulShape, *, core: int = 0, domain: int = 0,
+                rows: Sequence[int] = ()) -> MatmulContext:
+        """A context for ``shape``; with ``rows`` (``declared_rows``), one that runs at each
+        of those M (the largest ``shape.m``) over the same B buffers."""
 
     def close(self) -> None: ...

@@ -6,8 +6,11 @@
  * library: B in the RK3588 native layout (a wrongly packed B gives wrong products),
  * fp16 x fp16 -> float32 with float32 accumulation, int8 x int8 -> int32, and the same
  * refusals at create (types, alignment, K, the 4 GB domain; the fp16 shapes that abort
- * librknnrt abort here too). It does not model timing, IOMMU exhaustion across
- * contexts, native A/C layouts, quantised types or dynamic shapes.
+ * librknnrt abort here too). Dynamic shapes (rknn_matmul_create_dynamic_shape /
+ * _set_dynamic_shape) as the SDK's demo uses them: only M varies, a run computes exactly the
+ * M of the shape in effect (ling3_standin_rows_run counts them, for tests), A and C must be
+ * set again after every shape change, B stays. It does not model timing, IOMMU exhaustion
+ * across contexts, native A/C layouts or quantised types.
  *
  * Contexts are handles into a table (a bad or destroyed handle is RKNN_ERR_CTX_INVALID,
  * never a crash); one context is run by one thread at a time (the binding locks it);
@@ -34,6 +37,7 @@
  * full size; librknnrt documents no such limit */
 #define MAX_MEMS 8192
 #define TILE_N 16               /* output columns one inner loop computes */
+#define MAX_SHAPES 64           /* per dynamic context */
 
 typedef struct {
     rknn_matmul_ctx handle;     /* 0: free slot */
@@ -42,6 +46,11 @@ typedef struct {
     int core_mask;
     rknn_tensor_mem *mems[MAX_MEMS];
     rknn_tensor_mem *io[3];     /* A, B, C as set by set_io_mem */
+    int n_shapes;               /* 0: a static context; else its declared shapes */
+    int current;                /* the shape in effect (-1: none set yet) */
+    rknn_matmul_shape shapes[MAX_SHAPES];
+    rknn_matmul_io_attr *attrs; /* one per declared shape (malloc'd) */
+    int64_t rows_run;           /* sum of M over every run: what the NPU computed */
 } context;
 
 static context contexts[MAX_CONTEXTS];
@@ -113,11 +122,8 @@ static inline size_t b_offset(const rknn_matmul_info *info, int sub_n, int sub_k
                       * sub_k + kk % sub_k;
 }
 
-EXPORT int rknn_matmul_create(rknn_matmul_ctx *ctx, rknn_matmul_info *info,
-                              rknn_matmul_io_attr *io_attr) {
-    if (ctx == NULL || info == NULL || io_attr == NULL) return RKNN_ERR_PARAM_INVALID;
-    *ctx = 0;
-    int M = info->M, K = info->K, N = info->N;
+/* The refusals at create for one (M, K, N) of ``info``'s type and layouts. */
+static int check_create(const rknn_matmul_info *info, int M, int K, int N) {
     rknn_matmul_type type = info->type;
     if (type != RKNN_FLOAT16_MM_FLOAT16_TO_FLOAT32 && type != RKNN_INT8_MM_INT8_TO_INT32) {
         fprintf(stderr, "rknn matmul stand-in: matmul type %d is not modelled (fp16->fp32 "
@@ -151,41 +157,148 @@ EXPORT int rknn_matmul_create(rknn_matmul_ctx *ctx, rknn_matmul_info *info,
     uint64_t a_size = (uint64_t)M * K * ab, b_size = (uint64_t)K * N * ab;
     uint64_t c_size = (uint64_t)M * N * 4;
     if (a_size + b_size + c_size > DOMAIN_BYTES) return RKNN_ERR_MALLOC_FAIL;
+    return RKNN_SUCC;
+}
 
-    pthread_mutex_lock(&table_lock);
+/* What the runtime reports for A, B and C of one (M, K, N). */
+static void fill_attrs(const rknn_matmul_info *info, int M, int K, int N,
+                       rknn_matmul_io_attr *attr) {
+    int sub_n, sub_k;
+    native_tile(info->type, &sub_n, &sub_k);
+    uint64_t ab = info->type == RKNN_FLOAT16_MM_FLOAT16_TO_FLOAT32 ? 2 : 1;
+    uint64_t a_size = (uint64_t)M * K * ab, b_size = (uint64_t)K * N * ab;
+    uint64_t c_size = (uint64_t)M * N * 4;
+    rknn_tensor_type a_type = ab == 2 ? RKNN_TENSOR_FLOAT16 : RKNN_TENSOR_INT8;
+    uint32_t a_dims[2] = {(uint32_t)M, (uint32_t)K}, c_dims[2] = {(uint32_t)M, (uint32_t)N};
+    set_attr(&attr->A, "A", 2, a_dims, a_size, a_type);
+    if (info->B_layout == RKNN_MM_LAYOUT_NATIVE) {
+        uint32_t seg_k = K < SEGMENT_K ? (uint32_t)K : SEGMENT_K;
+        uint32_t b_dims[4] = {(uint32_t)(N / sub_n), seg_k / sub_k, (uint32_t)sub_n,
+                              (uint32_t)sub_k};
+        set_attr(&attr->B, "B", 4, b_dims, b_size, a_type);
+    } else {
+        uint32_t b_dims[2] = {(uint32_t)K, (uint32_t)N};
+        set_attr(&attr->B, "B", 2, b_dims, b_size, a_type);
+    }
+    set_attr(&attr->C, "C", 2, c_dims, c_size,
+             ab == 2 ? RKNN_TENSOR_FLOAT32 : RKNN_TENSOR_INT32);
+}
+
+/* A free slot of the table, cleared and given a fresh handle (under table_lock). */
+static context *take_slot(void) {
     int slot = -1;
     for (int tries = 0; tries < MAX_CONTEXTS; tries++) {
         int s = (int)((next_serial - 1) % MAX_CONTEXTS);
         if (contexts[s].handle == 0) { slot = s; break; }
         next_serial++;
     }
-    if (slot < 0) {
-        pthread_mutex_unlock(&table_lock);
-        return RKNN_ERR_MALLOC_FAIL;
-    }
+    if (slot < 0) return NULL;
     context *c = &contexts[slot];
     memset(c, 0, sizeof *c);
     c->handle = (rknn_matmul_ctx)next_serial;
     next_serial++;
-    c->info = *info;
-    rknn_tensor_type a_type = ab == 2 ? RKNN_TENSOR_FLOAT16 : RKNN_TENSOR_INT8;
-    uint32_t a_dims[2] = {(uint32_t)M, (uint32_t)K}, c_dims[2] = {(uint32_t)M, (uint32_t)N};
-    set_attr(&c->attr.A, "A", 2, a_dims, a_size, a_type);
-    if (info->B_layout == RKNN_MM_LAYOUT_NATIVE) {
-        uint32_t seg_k = K < SEGMENT_K ? (uint32_t)K : SEGMENT_K;
-        uint32_t b_dims[4] = {(uint32_t)(N / sub_n), seg_k / sub_k, (uint32_t)sub_n,
-                              (uint32_t)sub_k};
-        set_attr(&c->attr.B, "B", 4, b_dims, b_size, a_type);
-    } else {
-        uint32_t b_dims[2] = {(uint32_t)K, (uint32_t)N};
-        set_attr(&c->attr.B, "B", 2, b_dims, b_size, a_type);
+    return c;
+}
+
+EXPORT int rknn_matmul_create(rknn_matmul_ctx *ctx, rknn_matmul_info *info,
+                              rknn_matmul_io_attr *io_attr) {
+    if (ctx == NULL || info == NULL || io_attr == NULL) return RKNN_ERR_PARAM_INVALID;
+    *ctx = 0;
+    int ret = check_create(info, info->M, info->K, info->N);
+    if (ret != RKNN_SUCC) return ret;
+    pthread_mutex_lock(&table_lock);
+    context *c = take_slot();
+    if (c == NULL) {
+        pthread_mutex_unlock(&table_lock);
+        return RKNN_ERR_MALLOC_FAIL;
     }
-    set_attr(&c->attr.C, "C", 2, c_dims, c_size,
-             ab == 2 ? RKNN_TENSOR_FLOAT32 : RKNN_TENSOR_INT32);
+    c->info = *info;
+    fill_attrs(info, info->M, info->K, info->N, &c->attr);
     *io_attr = c->attr;
     *ctx = c->handle;
     pthread_mutex_unlock(&table_lock);
     return RKNN_SUCC;
+}
+
+/* One context for several (M, K, N): info's M, K and N are ignored (the header: "the
+ * original info.M, K, N are invalid"); io_attrs[i] describes dynamic_shapes[i]. As the
+ * SDK's dynamic-shape demo requires for B in the normal or native layout, every shape has
+ * the same K and N, so one B serves them all; the M are distinct. No shape is in effect
+ * (no memory can be set, nothing run) until rknn_matmul_set_dynamic_shape. */
+EXPORT int rknn_matmul_create_dynamic_shape(rknn_matmul_ctx *ctx, rknn_matmul_info *info,
+                                            int shape_num, rknn_matmul_shape dynamic_shapes[],
+                                            rknn_matmul_io_attr io_attrs[]) {
+    if (ctx == NULL || info == NULL || dynamic_shapes == NULL || io_attrs == NULL) {
+        return RKNN_ERR_PARAM_INVALID;
+    }
+    *ctx = 0;
+    if (shape_num < 1 || shape_num > MAX_SHAPES) return RKNN_ERR_PARAM_INVALID;
+    for (int i = 0; i < shape_num; i++) {
+        const rknn_matmul_shape *sh = &dynamic_shapes[i];
+        if (sh->K != dynamic_shapes[0].K || sh->N != dynamic_shapes[0].N) {
+            fprintf(stderr, "rknn matmul stand-in: dynamic shapes must share K and N (B in "
+                    "the normal or native layout)\n");
+            return RKNN_ERR_PARAM_INVALID;
+        }
+        for (int j = 0; j < i; j++) {
+            if (dynamic_shapes[j].M == sh->M) return RKNN_ERR_PARAM_INVALID;
+        }
+        int ret = check_create(info, sh->M, sh->K, sh->N);
+        if (ret != RKNN_SUCC) return ret;
+    }
+    rknn_matmul_io_attr *attrs = calloc((size_t)shape_num, sizeof *attrs);
+    if (attrs == NULL) return RKNN_ERR_MALLOC_FAIL;
+    for (int i = 0; i < shape_num; i++) {
+        const rknn_matmul_shape *sh = &dynamic_shapes[i];
+        fill_attrs(info, sh->M, sh->K, sh->N, &attrs[i]);
+    }
+    pthread_mutex_lock(&table_lock);
+    context *c = take_slot();
+    if (c == NULL) {
+        pthread_mutex_unlock(&table_lock);
+        free(attrs);
+        return RKNN_ERR_MALLOC_FAIL;
+    }
+    c->info = *info;
+    c->info.M = c->info.K = c->info.N = 0;
+    c->n_shapes = shape_num;
+    c->current = -1;
+    memcpy(c->shapes, dynamic_shapes, sizeof *dynamic_shapes * (size_t)shape_num);
+    c->attrs = attrs;
+    memcpy(io_attrs, attrs, sizeof *attrs * (size_t)shape_num);
+    *ctx = c->handle;
+    pthread_mutex_unlock(&table_lock);
+    return RKNN_SUCC;
+}
+
+/* The shape the next runs compute: one of those declared at create, else refused. A and C
+ * must then be set again with this shape's attributes (the demo: set_io_mem "must call
+ * after" set_dynamic_shape); B stays set ("B can not be dynamic"). */
+EXPORT int rknn_matmul_set_dynamic_shape(rknn_matmul_ctx ctx, rknn_matmul_shape *shape) {
+    context *c = lookup(ctx);
+    if (c == NULL) return RKNN_ERR_CTX_INVALID;
+    if (shape == NULL || c->n_shapes == 0) return RKNN_ERR_PARAM_INVALID;
+    for (int i = 0; i < c->n_shapes; i++) {
+        const rknn_matmul_shape *sh = &c->shapes[i];
+        if (sh->M == shape->M && sh->K == shape->K && sh->N == shape->N) {
+            c->current = i;
+            c->info.M = sh->M;
+            c->info.K = sh->K;
+            c->info.N = sh->N;
+            c->attr = c->attrs[i];
+            c->io[0] = c->io[2] = NULL;
+            return RKNN_SUCC;
+        }
+    }
+    fprintf(stderr, "rknn matmul stand-in: M=%d K=%d N=%d was not declared at create\n",
+            shape->M, shape->K, shape->N);
+    return RKNN_ERR_PARAM_INVALID;
+}
+
+/* Test-only: the rows this context's runs computed (the sum of M), -1 for a bad handle. */
+EXPORT int64_t ling3_standin_rows_run(rknn_matmul_ctx ctx) {
+    context *c = lookup(ctx);
+    return c == NULL ? -1 : c->rows_run;
 }
 
 EXPORT int rknn_matmul_set_core_mask(rknn_matmul_ctx ctx, rknn_core_mask mask) {
@@ -252,6 +365,7 @@ EXPORT int rknn_matmul_set_io_mem(rknn_matmul_ctx ctx, rknn_tensor_mem *mem,
     context *c = lookup(ctx);
     if (c == NULL) return RKNN_ERR_CTX_INVALID;
     if (mem == NULL || attr == NULL) return RKNN_ERR_PARAM_INVALID;
+    if (c->n_shapes && c->current < 0) return RKNN_ERR_PARAM_INVALID;  /* no shape yet */
     int owned = 0;
     for (int i = 0; i < MAX_MEMS; i++) owned |= c->mems[i] == mem;
     if (!owned) return RKNN_ERR_PARAM_INVALID;
@@ -362,6 +476,7 @@ EXPORT int rknn_matmul_run(rknn_matmul_ctx ctx) {
     if (c == NULL) return RKNN_ERR_CTX_INVALID;
     if (c->io[0] == NULL || c->io[1] == NULL) return RKNN_ERR_INPUT_INVALID;
     if (c->io[2] == NULL) return RKNN_ERR_OUTPUT_INVALID;
+    c->rows_run += c->info.M;
     return c->info.type == RKNN_FLOAT16_MM_FLOAT16_TO_FLOAT32 ? run_fp16(c) : run_int8(c);
 }
 
@@ -376,6 +491,8 @@ EXPORT int rknn_matmul_destroy(rknn_matmul_ctx ctx) {
     for (int i = 0; i < MAX_MEMS; i++) {
         if (c->mems[i] != NULL) release(c, i);
     }
+    free(c->attrs);
+    c->attrs = NULL;
     c->handle = 0;
     pthread_mutex_unlock(&table_lock);
     return RKNN_SUCC;

@@ -92,4 +92,12 @@ typedef struct rknn_matmul_info_t {
     int8_t reserved[34];
 } rknn_matmul_info;
 
+/* One shape of a dynamic-shape context (rknn_matmul_create_dynamic_shape's list, and the
+ * argument of rknn_matmul_set_dynamic_shape); the SDK lets only M vary. */
+typedef struct _rknn_matmul_shape {
+    int32_t M;
+    int32_t K;
+    int32_t N;
+} rknn_matmul_shape;
+
 #endif
