@@ -31,9 +31,11 @@ class DoubleB:
 
 
 class DoubleContext:
-    def __init__(self, runtime: DoubleRuntime, shape: MatmulShape, core: int) -> None:
+    def __init__(self, runtime: DoubleRuntime, shape: MatmulShape, core: int,
+                 rows: tuple[int, ...] = ()) -> None:
         check_shape(shape)
         self.runtime, self.shape, self.core = runtime, shape, core
+        self.rows = tuple(sorted(rows)) or (shape.m,)  # the M it runs at (dynamic shapes)
         self.closed = False
 
     def new_b(self) -> DoubleB:
@@ -54,9 +56,11 @@ class DoubleContext:
         s = self.shape
         if self.closed or b.freed or b.ctx is not self:
             raise MatmulError("run on a closed context or a foreign / freed B")
-        if a.shape != (s.m, s.k) or a.dtype != s.a_dtype:
-            raise MatmulError(f"A must be {s.a_dtype} [{s.m}, {s.k}], got {a.dtype} {a.shape}")
-        self.runtime.runs.append(s)
+        if not 1 <= a.shape[0] <= s.m or a.shape[1] != s.k or a.dtype != s.a_dtype:
+            raise MatmulError(f"A must be {s.a_dtype} [1..{s.m}, {s.k}], got {a.dtype} "
+                              f"{a.shape}")
+        m = next(r for r in self.rows if r >= a.shape[0])  # the M the NPU would compute
+        self.runtime.runs.append(MatmulShape(m, s.k, s.n, s.dtype))
         if s.dtype == "fp16":
             return a.astype(np.float32) @ b.values.astype(np.float32)
         return a.astype(np.int32) @ b.values.astype(np.int32)
@@ -73,8 +77,9 @@ class DoubleRuntime:
         self.live_b = 0
         self.contexts: list[DoubleContext] = []
 
-    def context(self, shape: MatmulShape, *, core: int = 0, domain: int = 0) -> DoubleContext:
-        ctx = DoubleContext(self, shape, core)
+    def context(self, shape: MatmulShape, *, core: int = 0, domain: int = 0,
+                rows: tuple[int, ...] = ()) -> DoubleContext:
+        ctx = DoubleContext(self, shape, core, tuple(rows))
         self.contexts.append(ctx)
         return ctx
 

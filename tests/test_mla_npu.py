@@ -392,8 +392,8 @@ class _FlakyRuntime(DoubleRuntime):
         super().__init__()
         self.fail_run, self.max_b = fail_run, max_b
 
-    def context(self, shape, *, core=0, domain=0):
-        ctx = super().context(shape, core=core, domain=domain)
+    def context(self, shape, *, core=0, domain=0, rows=()):
+        ctx = super().context(shape, core=core, domain=domain, rows=rows)
         runtime = self
         run, new_b = ctx.run, ctx.new_b
 
@@ -524,3 +524,26 @@ def test_the_memory_plan_gives_the_npu_rows_of_a_long_prompt_first(monkeypatch):
     without = memory_plan_for(cpu, LoadOptions(), 32768, meminfo=tight)
     assert with_rows.prefill_scratch_bytes >= rows > without.prefill_scratch_bytes
     npu.npu_attention.close()
+
+
+def test_a_short_chunk_runs_at_the_smallest_query_bucket(runtime):
+    """A later turn's few hundred tokens do not pay for the 1024-row query block: the
+    contexts run at the smallest declared M that holds the chunk (one B for all M)."""
+    rng = np.random.default_rng(11)
+    heads, r, dn, dv, rope = 2, 32, 16, 16, 16
+    w_kb, w_vb = _layer(rng, heads, r, dn, dv)
+    bases = mla_bases(w_kb, w_vb)
+    attn = _attention(heads, dn + rope, dv, 1024, 64, runtime)
+    assert attn.shapes.query_buckets == (64, 128, 256, 512, 1024)
+    rows = attn.new_rows(bases, rope)
+    latent = rng.standard_normal((300, r + rope)).astype(np.float32)
+    rows.extend(latent)
+    q_lat = np.einsum("thd,hdr->thr",
+                      rng.standard_normal((100, heads, dn)).astype(np.float32), w_kb)
+    q_rope = rng.standard_normal((100, heads, rope)).astype(np.float32)
+    ctx = attn.attend(q_lat, q_rope, rows, 300, 0.2)
+    want = _reference(q_lat, q_rope, latent, 300, 0.2)
+    err = np.linalg.norm(np.einsum("thr,hrd->thd", ctx - want, bases.value), axis=2)
+    assert (err <= _bound(q_lat, q_rope, latent, bases, 0.2, rope)).all()
+    if isinstance(runtime, DoubleRuntime):
+        assert {s.m for s in runtime.runs} == {128}  # 100 queries: M = 128, not 1024

@@ -10,10 +10,11 @@ NPU memory, in the matmul's native B layout, in pieces of ``PIECE_ROWS``:
     acc += P V_h,p         fp16 [M, piece] x [piece, dv] -> fp32       (NPU)
 
 Pieces of 2048 rows because P.V with K = cached rows runs at ~574 GFLOPS at 2048 and ~74
-past ~4096 on RK3588 (docs/npu-matmul.md). Every shape is fixed (M = the engine's prefill
-piece, zero rows pad a shorter chunk), so one Q.K^T and one P.V context per NPU core serve
-every chunk at every depth; head h lives on core h % cores, and the cores' heads run on
-their own threads, so the CPU's softmax of one head overlaps the others' matmuls.
+past ~4096 on RK3588 (docs/npu-matmul.md). K and N are fixed and M is a dynamic shape
+(``QUERY_BUCKETS`` up to the engine's piece; one B serves them all), so one Q.K^T and one
+P.V context per NPU core serve every chunk at every depth, a short chunk at a small M; head
+h lives on core h % cores, and the cores' heads run on their own threads, so the CPU's
+softmax of one head overlaps the others' matmuls.
 
 Rows are written once when projected (``NpuRows.extend``): the matmul layer packs a region
 of B in place, so a chunk writes only its own rows (from the last 32-row boundary, the
@@ -62,6 +63,8 @@ PIECE_ROWS = 2048
 # quarter as often as one of 256, where reading, not arithmetic, bounds them
 # (docs/performance.md, "Prefill budget"); attention's Q.K^T was measured at M = 2048.
 QUERY_ROWS = 1024
+# Smaller M the same contexts also run at (``NpuAttentionShapes.query_buckets``).
+QUERY_BUCKETS = (64, 128, 256, 512)
 # Rows are rewritten from a multiple of this: K^T's columns come in 16s, V's rows in 32s.
 ROW_ALIGN = 32
 _LOWEST = np.float32(np.finfo(np.float32).min)
@@ -84,6 +87,13 @@ class NpuAttentionShapes:
     @property
     def dv_pad(self) -> int:
         return padded(self.dv, ALIGN["fp16"][1])
+
+    @property
+    def query_buckets(self) -> tuple[int, ...]:
+        """The M the contexts run at (dynamic shapes, one B for all): a short chunk, a
+        later turn of a few hundred tokens, runs at the smallest that holds it."""
+        return tuple(sorted({m for m in QUERY_BUCKETS if m < self.query_rows}
+                            | {self.query_rows}))
 
     @property
     def scores(self) -> MatmulShape:
@@ -135,9 +145,12 @@ class NpuAttention:
         self._scores: list[MatmulContext] = []
         self._context: list[MatmulContext] = []
         try:
+            rows = shapes.query_buckets if len(shapes.query_buckets) > 1 else ()
             for core in range(self.cores):
-                self._scores.append(runtime.context(shapes.scores, core=core, domain=domain))
-                self._context.append(runtime.context(shapes.context, core=core, domain=domain))
+                self._scores.append(runtime.context(shapes.scores, core=core, domain=domain,
+                                                    rows=rows))
+                self._context.append(runtime.context(shapes.context, core=core,
+                                                     domain=domain, rows=rows))
         except Exception:
             self.close()
             raise
@@ -215,14 +228,13 @@ class NpuAttention:
         its pieces: the normalised context [n, dv]."""
         s = self.shapes
         n = len(q)
-        a = np.zeros((s.query_rows, s.qk_pad), np.float16)
-        a[:n] = q
-        visible = np.zeros(s.query_rows, np.int64)
-        visible[:n] = first_pos + 1 + np.arange(n)  # keys 0 .. visible-1 seen by each query
-        run_max = np.full(s.query_rows, _LOWEST, np.float32)
-        denom = np.zeros(s.query_rows, np.float32)
-        acc = np.zeros((s.query_rows, s.dv_pad), np.float32)
-        p = np.empty((s.query_rows, s.piece_rows), np.float16)
+        # the contexts run at the smallest declared M holding n rows (dynamic shapes)
+        a = np.ascontiguousarray(q, np.float16)
+        visible = first_pos + 1 + np.arange(n, dtype=np.int64)  # keys 0 .. visible-1 seen
+        run_max = np.full(n, _LOWEST, np.float32)
+        denom = np.zeros(n, np.float32)
+        acc = np.zeros((n, s.dv_pad), np.float32)
+        p = np.empty((n, s.piece_rows), np.float16)
         last = int(visible[n - 1])
         runs, matmul, softmax = 0, 0.0, 0.0
         clock = time.perf_counter
@@ -240,7 +252,7 @@ class NpuAttention:
             runs, matmul, softmax = runs + 2, matmul + (t1 - t0) + (clock() - t2), softmax + (
                 t2 - t1)
         self.counters.add(runs, matmul, softmax)
-        return acc[:n, :s.dv] / denom[:n, None]
+        return acc[:, :s.dv] / denom[:, None]
 
 
 def softmax_piece(scores: np.ndarray, limit: np.ndarray, run_max: np.ndarray,
