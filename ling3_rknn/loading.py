@@ -186,7 +186,8 @@ def npu_experts_choice(bundle: Bundle, options: LoadOptions, latent_dtype: str =
     """Whether ``bundle``'s int8 expert copy is loaded (``memory_plan.choose_npu_experts``),
     decided before the model loads: the bundle's other bytes, one sequence at the context
     limit the engine will use, the machine's memory (``meminfo``: None reads it). On auto,
-    a machine without the matmul library keeps the CPU experts (with the reason)."""
+    a machine without librknnrt keeps the CPU experts (with the reason): off a board the
+    stand-in computes what the NPU would, slower than QMoE, so it runs only when asked."""
     from ling3_rknn.config import ModelConfig
     from ling3_rknn.model.state import StateLayout
 
@@ -203,9 +204,12 @@ def npu_experts_choice(bundle: Bundle, options: LoadOptions, latent_dtype: str =
         from ling3_rknn.npu.matmul_plan import MatmulError
 
         try:
-            resolve_library()
+            name, _ = resolve_library()
         except MatmulError as exc:
             return replace(choice, taken=False, reason=f"no NPU matmul library: {exc}")
+        if name != "librknnrt":  # as --npu-prefill auto: the host stand-in is for tests
+            return replace(choice, taken=False, reason="not a board (no librknnrt; the host "
+                           "stand-in runs with --npu-experts on)")
     return choice
 
 

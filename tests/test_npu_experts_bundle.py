@@ -147,9 +147,16 @@ def test_loading_takes_the_copy_where_the_memory_plan_allows(bundle, monkeypatch
     tight = {"MemTotal": opened.loaded_bytes(npu_graphs=False) + copy + (1 << 30),
              "MemAvailable": 1 << 40}
     monkeypatch.delenv(loading.NPU_EXPERTS_ENV, raising=False)
-    taken = npu_experts_choice(opened, LoadOptions(), meminfo=roomy)
-    assert taken.taken and taken.copy_bytes == copy
-    assert not npu_experts_choice(opened, LoadOptions(), meminfo=tight).taken
+    from ling3_rknn.npu import matmul
+
+    off_board = npu_experts_choice(opened, LoadOptions(), meminfo=roomy)
+    assert not off_board.taken and "not a board" in off_board.reason  # the stand-in: asked
+    with monkeypatch.context() as board:  # a board: librknnrt found
+        board.setattr(matmul, "resolve_library", lambda choice=None: ("librknnrt", None))
+        taken = npu_experts_choice(opened, LoadOptions(), meminfo=roomy)
+        assert taken.taken and taken.copy_bytes == copy
+        tight_choice = npu_experts_choice(opened, LoadOptions(), meminfo=tight)
+        assert not tight_choice.taken and "not a board" not in tight_choice.reason
     assert npu_experts_choice(opened, LoadOptions(npu_experts="on"), meminfo=tight).taken
     monkeypatch.setenv(loading.NPU_EXPERTS_ENV, "off")
     assert npu_experts_setting(LoadOptions()) is False
