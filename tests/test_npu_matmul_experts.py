@@ -1,6 +1,6 @@
 """Routed experts of a prefill piece as int8 NPU matmuls (``ling3_rknn.npu.matmul_experts``).
 
-Run on two runtimes: the numpy test double (``matmul_double``: exact int32, records every
+Run on two runtimes: the numpy test double (``npu_matmul_double``: exact int32, records every
 run) and the real binding over the host stand-in library (``ling3_rknn.npu.matmul``, the
 product path: native B layout, ctypes, threads per core).
 
@@ -20,7 +20,7 @@ import ctypes
 
 import numpy as np
 import pytest
-from matmul_double import DoubleRuntime
+from npu_matmul_double import DoubleRuntime
 
 from convert.experts_quant import (
     dequantize_matmul_experts,
