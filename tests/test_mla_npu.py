@@ -24,7 +24,7 @@ from npu_matmul_double import DoubleRuntime
 
 from ling3_rknn.model import Model, mla, native
 from ling3_rknn.model.mla_expanded import PrefillScratch, mla_bases
-from ling3_rknn.model.mla_npu import NpuAttention, NpuAttentionShapes, NpuRows, softmax_piece
+from ling3_rknn.model.mla_npu import NpuAttention, NpuAttentionShapes, NpuRows
 from ling3_rknn.npu.matmul import open_runtime
 from ling3_rknn.npu.matmul_plan import MatmulError
 
@@ -185,52 +185,6 @@ def test_the_chunk_sees_only_its_past():
         outs.append(attn.attend(q_lat, q_rope, rows, 90, 0.5))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])  # position 59 sees rows 0..59
     assert not np.array_equal(outs[0][-1], outs[1][-1])
-
-
-def test_softmax_piece_kernel_matches_numpy():
-    if not native.available():
-        pytest.skip("the compiled kernels are not built here")
-    rng = np.random.default_rng(1)
-    m, n, dv = 37, 96, 24
-    limits = [rng.integers(0, n + 1, m).astype(np.int32) for _ in range(3)]
-    states = []
-    for use_kernel in (True, False):
-        run_max = np.full(m, np.finfo(np.float32).min, np.float32)
-        denom = np.zeros(m, np.float32)
-        acc = np.zeros((m, dv), np.float32)
-        p = np.empty((m, n), np.float16)
-        ps = []
-        for piece, limit in enumerate(limits):
-            scores = (rng.standard_normal((m, n)) * 4 + piece).astype(np.float32)
-            acc += 1.0
-            native.set_enabled(use_kernel)
-            try:
-                softmax_piece(scores, limit, run_max, denom, acc, p)
-            finally:
-                native.set_enabled(True)
-            ps.append(p.copy())
-        rng = np.random.default_rng(1)
-        limits = [rng.integers(0, n + 1, m).astype(np.int32) for _ in range(3)]
-        states.append((run_max, denom, acc, ps))
-    (mk, dk, ak, pk), (mn, dn_, an, pn) = states
-    np.testing.assert_array_equal(mk, mn)  # the max is exact
-    # e^x: Cephes' polynomial within 1e-7 relative against numpy's; one float16 rounding of
-    # it may then land one step (2^-11 relative) apart
-    for a, b in zip(pk, pn, strict=True):
-        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2 * U,
-                                   atol=0)
-    np.testing.assert_allclose(dk, dn_, rtol=2 * U * 3)  # three pieces' sums of such values
-    np.testing.assert_allclose(ak, an, rtol=1e-6)  # rescale factors: expf, one product each
-
-
-def test_softmax_piece_refuses_a_limit_past_the_piece():
-    if not native.available():
-        pytest.skip("the compiled kernels are not built here")
-    m, n = 2, 16
-    with pytest.raises(ValueError, match="limits"):
-        native.softmax_piece(np.zeros((m, n), np.float32), np.array([3, 17], np.int32),
-                             np.zeros(m, np.float32), np.zeros(m, np.float32),
-                             np.zeros((m, 4), np.float32), np.empty((m, n), np.float16))
 
 
 def test_a_shape_the_npu_cannot_run_is_refused_at_plan_time():

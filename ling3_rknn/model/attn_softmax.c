@@ -1,45 +1,76 @@
 /*
  * The CPU's share of prefill attention on the NPU (mla_npu.py, docs/model.md 5.5): between
  * the NPU's Q.K^T and P.V of one piece of cached rows, the online softmax of the piece's
- * scores. numpy would pass over the [queries, rows] scores five times (mask, max, subtract,
- * exp, float16); at 16K prompt tokens that is ~1.3e10 scores per prompt, the CPU residue
- * the NPU then waits on. Here it is one pass per row for the maximum and one for the rest.
+ * scores. At 16K prompt tokens that is ~1.3e10 scores per prompt, the largest part of the
+ * CPU residue the NPU then waits on, so each score costs as few vector operations as the
+ * float16 result allows: one pass per row for the maximum (the scores come from DRAM once,
+ * the row then sits in L1) and one fused pass for e^x, the float16 rounding, the store and
+ * the sum.
  */
 #include <float.h>
 #include <math.h>
 
 #include "native_vec.h"
 
-/* float -> float16 (round to nearest even) -> float: dst gets the half bits, back the value
- * they hold, which the sum must see (the NPU multiplies the rounded P, not the exact one).
- * x86: F16C's vcvtps2ph; aarch64: the compiler's _Float16, which it vectorises. */
+/* VN lanes of float -> float16 (round to nearest even), the bits stored at dst, and back to
+ * float: the sum must see the rounded values (the NPU multiplies the rounded P, not the
+ * exact one). x86: F16C's vcvtps2ph at the vector's width; aarch64: the compiler's _Float16
+ * vector conversion (fcvtn / fcvtl). */
 #if defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_FLOAT16 1
-static void narrow_row(const float *restrict src, int n, uint16_t *restrict dst,
-                       float *restrict back) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
-        _mm_storeu_si128((__m128i *)(dst + i), h);
-        _mm256_storeu_ps(back + i, _mm256_cvtph_ps(h));
-    }
-    for (; i < n; i++) {
-        dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
-        back[i] = _cvtsh_ss(dst[i]);
-    }
+static inline vfn narrow_store(vfn e, uint16_t *dst) {
+#if VN == 16
+    __m256i h = _mm512_cvtps_ph((__m512)e, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(dst, &h, sizeof h);
+    return (vfn)_mm512_cvtph_ps(h);
+#elif VN == 8
+    __m128i h = _mm256_cvtps_ph((__m256)e, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(dst, &h, sizeof h);
+    return (vfn)_mm256_cvtph_ps(h);
+#else
+    __m128i h = _mm_cvtps_ph((__m128)e, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(dst, &h, 8);
+    return (vfn)_mm_cvtph_ps(h);
+#endif
 }
 #elif defined(__FLT16_MAX__) && !defined(__x86_64__)
 #define HAVE_FLOAT16 1
-static void narrow_row(const float *restrict src, int n, uint16_t *restrict dst,
-                       float *restrict back) {
-    _Float16 *restrict h = (_Float16 *)dst;
-    for (int i = 0; i < n; i++) {
-        h[i] = (_Float16)src[i];
-        back[i] = (float)h[i];
-    }
+typedef _Float16 vhn __attribute__((vector_size(VN * sizeof(_Float16))));
+static inline vfn narrow_store(vfn e, uint16_t *dst) {
+    vhn h = __builtin_convertvector(e, vhn);
+    memcpy(dst, &h, sizeof h);
+    return __builtin_convertvector(h, vfn);
 }
 #endif
+
+/*
+ * e^x for x <= 0, good to 2^-18 relative: enough for a value rounded to float16 next (half a
+ * step is 2^-12 .. 2^-11 relative), about half the operations of vfn_exp's float32-exact
+ * form. x = n ln2 + r with n = round(x / ln2) (adding 1.5 * 2^23 rounds to an integer and
+ * leaves n in the low mantissa bits), |r| <= ln2 / 2; e^r = 1 + r (c1 + r (c2 + r (c3 + r
+ * c4))), coefficients fitted for least maximal relative error on that interval: 2.8e-6 in
+ * exact arithmetic, plus ~4 float32 roundings (2^-24 each) of Horner's steps and the
+ * reduction. Clamped at -87 (e^-87 ~ 1.6e-38 stands in for 0; float16 flushes it anyway),
+ * so 2^n stays a normal float.
+ */
+#define EXP16_C1 0.99996686f
+#define EXP16_C2 0.50003016f
+#define EXP16_C3 0.16787475f
+#define EXP16_C4 0.04151384f
+static inline vfn exp_for_half(vfn x) {
+    const vfn lo = vfn_splat(-87.0f), round = vfn_splat(12582912.0f); /* 1.5 * 2^23 */
+    x = vfn_select(x < lo, lo, x);
+    const vfn t = x * 1.44269504088896341f + round;
+    const vfn nf = t - round;
+    const vin n = (vin)t - (vin)round;
+    const vfn r = x - nf * 0.693359375f + nf * 2.12194440e-4f; /* ln 2 in two parts */
+    vfn y = r * EXP16_C4 + EXP16_C3;
+    y = y * r + EXP16_C2;
+    y = y * r + EXP16_C1;
+    y = y * r + 1.0f;
+    return y * (vfn)((n + 127) << 23);
+}
 
 static float row_max(const float *restrict s, int n) {
     vfn best = vfn_splat(-FLT_MAX);
@@ -54,32 +85,41 @@ static float row_max(const float *restrict s, int n) {
     return m;
 }
 
-/* exp(s - shift) for n values into e (vectorised; the tail through one padded vector). */
-static void exp_row(const float *restrict s, int n, float shift, float *restrict e) {
+#ifdef HAVE_FLOAT16
+/* p[0:n] = float16(e^(s - shift)); returns the sum of the rounded values. */
+static float exp_row_half(const float *restrict s, int n, float shift, uint16_t *restrict p) {
     const vfn sh = vfn_splat(shift);
+    vfn total = vfn_splat(0.0f);
     int j = 0;
-    for (; j + VN <= n; j += VN) vfn_store(e + j, vfn_exp(vfn_load(s + j) - sh));
-    if (j < n) {
-        float tmp[VN];
-        for (int i = 0; i < VN; i++) tmp[i] = j + i < n ? s[j + i] : shift;
-        vfn_store(tmp, vfn_exp(vfn_load(tmp) - sh));
-        for (int i = 0; j + i < n; i++) e[j + i] = tmp[i];
+    for (; j + VN <= n; j += VN) total += narrow_store(exp_for_half(vfn_load(s + j) - sh), p + j);
+    float sum = vfn_sum(total);
+    if (j < n) { /* the tail through one padded vector */
+        float tail[VN];
+        uint16_t half[VN];
+        for (int i = 0; i < VN; i++) tail[i] = j + i < n ? s[j + i] : shift;
+        vfn back = narrow_store(exp_for_half(vfn_load(tail) - sh), half);
+        for (int i = 0; j + i < n; i++) {
+            p[j + i] = half[i];
+            sum += back[i];
+        }
     }
+    return sum;
 }
+#endif
 
 int attn_softmax_piece(const float *scores, int m, int n, const int32_t *limit, float *run_max,
-                       float *denom, float *acc, int dv, uint16_t *p, float *scratch) {
+                       float *denom, float *acc, int dv, uint16_t *p) {
 #ifndef HAVE_FLOAT16
     (void)scores, (void)m, (void)n, (void)limit, (void)run_max, (void)denom, (void)acc;
-    (void)dv, (void)p, (void)scratch;
+    (void)dv, (void)p;
     return -2;
 #else
-    float *e = scratch, *back = scratch + n;
+    for (int i = 0; i < m; i++)
+        if (limit[i] < 0 || limit[i] > n) return -1;
     for (int i = 0; i < m; i++) {
         const float *s = scores + (int64_t)i * n;
         uint16_t *pi = p + (int64_t)i * n;
         int lim = limit[i];
-        if (lim < 0 || lim > n) return -1;
         memset(pi + lim, 0, (size_t)(n - lim) * sizeof *pi);
         if (lim == 0) continue;
         float top = row_max(s, lim);
@@ -93,14 +133,7 @@ int attn_softmax_piece(const float *scores, int m, int n, const int32_t *limit, 
             denom[i] *= factor;
             run_max[i] = shift;
         }
-        exp_row(s, lim, shift, e);
-        narrow_row(e, lim, pi, back);
-        vfn total = vfn_splat(0.0f);
-        int j = 0;
-        for (; j + VN <= lim; j += VN) total += vfn_load(back + j);
-        float sum = vfn_sum(total);
-        for (; j < lim; j++) sum += back[j];
-        denom[i] += sum;
+        denom[i] += exp_row_half(s, lim, shift, pi);
     }
     return 0;
 #endif

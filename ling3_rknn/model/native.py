@@ -365,10 +365,9 @@ def softmax_piece(scores: np.ndarray, limit: np.ndarray, run_max: np.ndarray,
             or run_max.shape != (m,) or denom.shape != (m,) or acc.ndim != 2
             or acc.shape[0] != m):
         return False
-    scratch = np.empty(2 * n, dtype=np.float32)
     status = lib.attn_softmax_piece(
         scores.ctypes.data, m, n, limit.ctypes.data, run_max.ctypes.data, denom.ctypes.data,
-        acc.ctypes.data, acc.shape[1], p.ctypes.data, scratch.ctypes.data)
+        acc.ctypes.data, acc.shape[1], p.ctypes.data)
     if status == -1:
         raise ValueError(f"softmax limits must lie in [0, {n}]")
     return status == 0

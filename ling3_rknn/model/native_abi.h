@@ -12,7 +12,7 @@
 
 /* Bumped with every change to a kernel's signature or meaning: native.py refuses a library
  * whose number differs (one built from older sources), instead of calling it wrongly. */
-#define LING3_NATIVE_ABI 7
+#define LING3_NATIVE_ABI 8
 
 /* Floats per vector (vf16, native_vec.h): the 16 heads of Ling-3.0-tiny's MLA and the query
  * columns of one prefill tile. */
@@ -68,10 +68,11 @@ int kda_chunk_heads(const float *q, const float *k, const float *v, const float 
  * Q.K^T and P.V run on the NPU. scores [m, n]; row i sees its first limit[i] columns. The
  * running max, denominator [m] and context acc [m, dv] are carried across pieces (max
  * starts at -FLT_MAX, the others at 0) and rescaled here; p [m, n] gets the float16 bits
- * of exp(score - max), 0 where unseen. scratch: 2 * n floats. Returns 0, -1 for a limit
- * outside [0, n], -2 where this build has no float16 conversion. */
+ * of exp(score - max) (to 2^-18 relative before the rounding), 0 where unseen. Returns 0, -1
+ * for a limit outside [0, n] (nothing touched), -2 where this build has no float16
+ * conversion. */
 int attn_softmax_piece(const float *scores, int m, int n, const int32_t *limit, float *run_max,
-                       float *denom, float *acc, int dv, uint16_t *p, float *scratch);
+                       float *denom, float *acc, int dv, uint16_t *p);
 
 /* moe_int8.c: the routed experts' activations around their int8 NPU matmuls. Rows rows[i]
  * of src [*, d] quantised per row into dst [m, d] with scales [m] (max|x| / 127). */

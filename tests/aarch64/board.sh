@@ -51,7 +51,8 @@ if want kernels; then
     t=$SECONDS
     "${pytest[@]}" tests/test_native_kernels.py tests/test_model_oracle.py \
         tests/test_latent_fp16.py tests/test_mla_expanded.py tests/test_npu_matmul.py \
-        tests/test_mla_npu.py tests/test_moe_int8.py tests/test_model_pipeline.py
+        tests/test_mla_npu.py tests/test_attn_softmax.py tests/test_moe_int8.py \
+        tests/test_model_pipeline.py
     "$py" tests/aarch64/kernel_errors.py --out /src/kernel-errors-aarch64.json \
         --compare /src/kernel-errors-x86_64.json
     echo "kernels: $((SECONDS - t)) s"
