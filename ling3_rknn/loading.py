@@ -162,13 +162,15 @@ def memory_plan_for(model: Model, options: LoadOptions, max_context: int,
 
 
 def _npu_rows_bytes(model: Model, max_context: int) -> int:
-    """The NPU attention's rows for a prompt at the context limit (0 without it)."""
+    """The NPU attention's rows for a prompt at the context limit and its layers'
+    projections (0 without it)."""
     attention = model.npu_attention
     bases = model.cpu.mla_bases
     if attention is None or not bases:
         return 0
     first = next(iter(bases.values()))
-    return attention.bytes_for(first, model.config.qk_rope_head_dim, max_context) * len(bases)
+    rows = attention.bytes_for(first, model.config.qk_rope_head_dim, max_context)
+    return (rows + attention.projection_bytes()) * len(bases)
 
 
 def npu_experts_setting(options: LoadOptions) -> bool | None:

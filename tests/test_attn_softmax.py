@@ -95,3 +95,31 @@ def test_softmax_piece_refuses_a_limit_past_the_piece():
         native.softmax_piece(np.zeros((m, n), np.float32), np.array([3, 17], np.int32),
                              np.zeros(m, np.float32), np.zeros(m, np.float32),
                              np.zeros((m, 4), np.float32), np.empty((m, n), np.float16))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 17), (64, 512), (5, 128)])
+def test_half_rows_converts_strided_views_as_numpy_does(rows, cols):
+    """The NPU operands' float16 conversion: round to nearest even like numpy's, into a
+    column range of a wider array, from a strided view, scaled; nothing else written."""
+    if not _kernel_runs():
+        pytest.skip("this build has no float16 conversion")
+    rng = np.random.default_rng(cols)
+    big = (rng.standard_normal((rows, 3, cols + 5)) * 300).astype(np.float32)
+    big[0, 1, 2] = 3e5  # scaled past float16's largest: inf, as numpy rounds it
+    src = big[:, 1, 2:2 + cols]  # rows 3 (cols + 5) floats apart
+    dst = np.full((rows, cols + 40), 1.5, np.float16)
+    with np.errstate(over="ignore"):
+        assert native.half_rows(src, dst[:, 7:7 + cols], 0.25)
+        want = (src * np.float32(0.25)).astype(np.float16)
+    np.testing.assert_array_equal(dst[:, 7:7 + cols], want)
+    assert (dst[:, :7] == 1.5).all() and (dst[:, 7 + cols:] == 1.5).all()
+
+
+def test_half_rows_leaves_what_it_cannot_take_to_numpy():
+    if not _kernel_runs():
+        pytest.skip("this build has no float16 conversion")
+    src = np.ones((4, 8), np.float32)
+    assert not native.half_rows(src[:, ::2], np.empty((4, 4), np.float16))  # column stride
+    assert not native.half_rows(src, np.empty((4, 8), np.float32))
+    assert not native.half_rows(src, np.empty((4, 7), np.float16))
+    assert not native.half_rows(src.astype(np.float64), np.empty((4, 8), np.float16))

@@ -60,8 +60,7 @@ def tok() -> Tokenizer:
 def npu_model(tmp_path_factory) -> Model:
     base = Model.from_hf(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
     c = base.config
-    shapes = NpuAttentionShapes(c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim,
-                                c.v_head_dim, query_rows=32, piece_rows=64)
+    shapes = NpuAttentionShapes.of(c, query_rows=32, piece_rows=64)
     return Model(c, base.stages, base.experts, base.cpu, threads=2,
                  npu_attention=NpuAttention(DoubleRuntime(), shapes))
 

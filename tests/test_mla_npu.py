@@ -63,24 +63,64 @@ def _reference(q_lat, q_rope, latent, length, scale):
         native.set_enabled(True)
 
 
-def _bound(q_lat, q_rope, latent, bases, scale, rope):
-    """Per (token, head): the bound above, from the expanded queries and keys."""
+def _half_product(a, b):
+    """``a @ b`` from float16-rounded operands, in float64: what the NPU's products are
+    before their float32 accumulation (bounded separately)."""
+    return np.asarray(a, np.float16).astype(np.float64) @ np.asarray(b, np.float16).astype(
+        np.float64)
+
+
+def _bound(q_lat, q_rope, latent, bases, scale, rope, want):
+    """Per (token, head): the bound above, from the expanded queries and keys, plus what the
+    NPU's projections add. U_h^T q_lat, U_h^T c and V_h^T c come from float16 operands: the
+    deviation that rounding makes is computed here exactly (``_half_product``), their
+    float32 sums over r terms add r F32 of the magnitudes, and their float16 rounding is in
+    the U terms already. The context goes back to the latent space as V_h ctx~ from float16
+    operands: through V_h^T that moves it by at most U |ctx~| |V^_h| + |V^_h - V_h| |ctx~|
+    (spectral norms, V^_h the rounded basis) plus d_v F32 of |V_h| |ctx~|, with |ctx~| the
+    reference's (``want``) plus the error before it."""
     r = bases.key.shape[1]
+    dn = bases.key.shape[2]
+    c = latent[:, :r]
     q_small = np.einsum("thr,hrd->thd", q_lat, bases.key)
     q = np.concatenate([q_small, q_rope], axis=2) * scale  # [T, H, qk]
-    keys = np.concatenate([np.einsum("sr,hrd->shd", latent[:, :r], bases.key),
+    keys = np.concatenate([np.einsum("sr,hrd->shd", c, bases.key),
                            np.broadcast_to(latent[:, None, r:],
                                            (len(latent), bases.heads, rope))], axis=2)
-    values = np.einsum("sr,hrd->shd", latent[:, :r], bases.value)
+    values = np.einsum("sr,hrd->shd", c, bases.value)
     qk = q.shape[2]
+    dv = values.shape[2]
     sums = np.einsum("thi,shi->ths", np.abs(q), np.abs(keys))  # sum_i |q_i k_i|
-    e = (2 * U + U * U + qk * F32) * sums.max(axis=2)
+    acc = r * F32
+    dq = np.zeros_like(q)  # the projections' deviations (rope: no projection)
+    dk = np.zeros_like(keys)
+    dvals = np.zeros(values.shape[:2])
+    for h in range(bases.heads):
+        key, value = bases.key[h], bases.value[h]
+        dq[:, h, :dn] = scale * (np.abs(_half_product(q_lat[:, h], key) - q_small[:, h])
+                                 + acc * np.abs(q_lat[:, h]) @ np.abs(key))
+        dk[:, h, :dn] = (np.abs(_half_product(c, key) - keys[:, h, :dn])
+                         + acc * np.abs(c) @ np.abs(key))
+        dvals[:, h] = np.linalg.norm(np.abs(_half_product(c, value) - values[:, h])
+                                     + acc * np.abs(c) @ np.abs(value), axis=1)
+    extra = (np.einsum("thi,shi->ths", dq, np.abs(keys))
+             + np.einsum("thi,shi->ths", np.abs(q), dk) + np.einsum("thi,shi->ths", dq, dk))
+    e = (2 * U + U * U + qk * F32) * sums.max(axis=2) + (1 + 3 * U) * extra.max(axis=2)
     v_max = np.linalg.norm(values, axis=2).max(axis=0)  # per head
-    return (np.expm1(2 * e) + 3 * U + len(latent) * F32) * v_max[None, :]
+    before = ((np.expm1(2 * e) + 3 * U + len(latent) * F32) * v_max[None, :]
+              + (1 + U) * dvals.max(axis=0)[None, :])
+    ctx = np.abs(np.einsum("thr,hrd->thd", want, bases.value))  # the reference's ctx~
+    size = np.linalg.norm(ctx, axis=2) + before
+    moved = np.array([np.linalg.norm(np.asarray(bases.value[h], np.float16).astype(np.float64)
+                                     - bases.value[h], 2) for h in range(bases.heads)])
+    spread = np.linalg.norm(np.einsum("hrd,thd->thr", np.abs(bases.value),
+                                      ctx + before[:, :, None]), axis=2)
+    return before + (U * (1 + moved) + moved) * size + (1 + U) * dv * F32 * spread
 
 
-def _attention(heads, qk, dv, query_rows, piece_rows, runtime=None):
-    shapes = NpuAttentionShapes(heads, qk, dv, query_rows=query_rows, piece_rows=piece_rows)
+def _attention(heads, r, dn, rope, dv, query_rows, piece_rows, runtime=None):
+    shapes = NpuAttentionShapes(heads, r, dn, rope, dv, query_rows=query_rows,
+                                piece_rows=piece_rows)
     return NpuAttention(runtime or DoubleRuntime(), shapes)
 
 
@@ -99,7 +139,7 @@ def test_npu_attention_matches_the_float32_reference(heads, r, dn, dv, rope, len
     q_lat = np.einsum("thd,hdr->thr", rng.standard_normal((t, heads, dn)).astype(np.float32),
                       w_kb)
     q_rope = rng.standard_normal((t, heads, rope)).astype(np.float32)
-    attn = _attention(heads, dn + rope, dv, query_rows, piece_rows, runtime)
+    attn = _attention(heads, r, dn, rope, dv, query_rows, piece_rows, runtime)
     rows = attn.new_rows(bases, rope)
     split = max(0, length - t - 3)
     rows.extend(latent[:split])  # a cached prefix ending off the 32-row grid
@@ -111,7 +151,7 @@ def test_npu_attention_matches_the_float32_reference(heads, r, dn, dv, rope, len
     want = _reference(q_lat, q_rope, latent, length, scale)
     # compared in the value subspace (the part W_vb sees): ctx~ = V_h^T ctx
     err = np.linalg.norm(np.einsum("thr,hrd->thd", ctx - want, bases.value), axis=2)
-    bound = _bound(q_lat, q_rope, latent, bases, scale, rope)
+    bound = _bound(q_lat, q_rope, latent, bases, scale, rope, want)
     assert (err <= bound).all(), float((err / bound).max())
     attn.close()
 
@@ -126,7 +166,7 @@ def test_a_wrong_row_would_break_the_bound():
     q_lat = np.einsum("thd,hdr->thr", rng.standard_normal((8, heads, dn)).astype(np.float32),
                       w_kb)
     q_rope = rng.standard_normal((8, heads, rope)).astype(np.float32)
-    attn = _attention(heads, dn + rope, dv, 32, 64)
+    attn = _attention(heads, r, dn, rope, dv, 32, 64)
     rows = attn.new_rows(bases, rope)
     wrong = latent.copy()
     wrong[100] = wrong[101]
@@ -134,7 +174,7 @@ def test_a_wrong_row_would_break_the_bound():
     ctx = attn.attend(q_lat, q_rope, rows, length, 0.3)
     want = _reference(q_lat, q_rope, latent, length, 0.3)
     err = np.linalg.norm(np.einsum("thr,hrd->thd", ctx - want, bases.value), axis=2)
-    assert (err > _bound(q_lat, q_rope, latent, bases, 0.3, rope)).any()
+    assert (err > _bound(q_lat, q_rope, latent, bases, 0.3, rope, want)).any()
 
 
 @pytest.mark.parametrize("keep", [0, 31, 32, 33, 64, 100, 129])
@@ -145,7 +185,7 @@ def test_truncated_rows_extend_as_if_never_longer(keep, runtime):
     bases = mla_bases(w_kb, w_vb)
     latent = rng.standard_normal((160, r + rope)).astype(np.float32)
     other = rng.standard_normal((160, r + rope)).astype(np.float32)
-    attn = _attention(heads, dn + rope, dv, 32, 64, runtime)
+    attn = _attention(heads, r, dn, rope, dv, 32, 64, runtime)
     rows = attn.new_rows(bases, rope)
     rows.extend(latent[:keep])
     rows.extend(other[keep:150])  # another continuation, then cut back to `keep` positions
@@ -162,8 +202,8 @@ def test_truncated_rows_extend_as_if_never_longer(keep, runtime):
     np.testing.assert_array_equal(got, want)  # the same float16 rows, the same products
     rows.free()
     fresh.free()
-    if isinstance(runtime, DoubleRuntime):
-        assert runtime.live_b == 0  # every B operand handed back
+    if isinstance(runtime, DoubleRuntime):  # every rows' B operand handed back
+        assert runtime.live_b == attn.projection_buffers() > 0
 
 
 def test_the_chunk_sees_only_its_past():
@@ -179,7 +219,7 @@ def test_the_chunk_sees_only_its_past():
     q_rope = rng.standard_normal((31, heads, rope)).astype(np.float32)
     outs = []
     for lat in (latent, changed):
-        attn = _attention(heads, dn + rope, dv, 32, 32)
+        attn = _attention(heads, r, dn, rope, dv, 32, 32)
         rows = attn.new_rows(bases, rope)
         rows.extend(lat)
         outs.append(attn.attend(q_lat, q_rope, rows, 90, 0.5))
@@ -189,9 +229,9 @@ def test_the_chunk_sees_only_its_past():
 
 def test_a_shape_the_npu_cannot_run_is_refused_at_plan_time():
     with pytest.raises(MatmulError, match="aborts"):
-        NpuAttention(DoubleRuntime(), NpuAttentionShapes(4, 64, 32, 256, 16384))
+        NpuAttention(DoubleRuntime(), NpuAttentionShapes(4, 64, 48, 16, 32, 256, 16384))
     with pytest.raises(MatmulError, match="10240"):
-        NpuAttention(DoubleRuntime(), NpuAttentionShapes(4, 64, 32, 256, 12288))
+        NpuAttention(DoubleRuntime(), NpuAttentionShapes(4, 64, 48, 16, 32, 256, 12288))
 
 
 def test_the_scratch_keeps_npu_rows_and_frees_them():
@@ -199,26 +239,26 @@ def test_the_scratch_keeps_npu_rows_and_frees_them():
     heads, r, dn, dv, rope = 2, 16, 16, 16, 4
     bases = {1: mla_bases(*_layer(rng, heads, r, dn, dv))}
     runtime = DoubleRuntime()
-    attn = _attention(heads, dn + rope, dv, 32, 64, runtime)
+    attn = _attention(heads, r, dn, rope, dv, 32, 64, runtime)
     scratch = PrefillScratch()
     assert scratch.choose(bases, rope, 0, 40, 1 << 30, store=attn)
     scratch.rows[1].extend(rng.standard_normal((40, r + rope)).astype(np.float32))
-    assert runtime.live_b == 2 * heads and scratch.nbytes > 0
+    held = attn.projection_buffers()  # the layer's projections, written once
+    assert runtime.live_b == 2 * heads + held and scratch.nbytes > 0
     # the byte cap counts float16 rows of the NPU's padded widths
     row = attn.shapes.row_bytes()
     assert not scratch.choose(bases, rope, 40, 24, 64 * row - 1, store=attn)
-    assert runtime.live_b == 0 and not scratch.rows
+    assert runtime.live_b == held and not scratch.rows
     assert scratch.choose(bases, rope, 0, 64, 64 * row, store=attn)
     scratch.release()
-    assert runtime.live_b == 0
+    assert runtime.live_b == held
 
 
 # ------------------------------------------------------------------ through the model
 def _npu_model(model: Model, runtime=None, query_rows: int = 32, piece_rows: int = 64
                ) -> Model:
     c = model.config
-    shapes = NpuAttentionShapes(c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim,
-                                c.v_head_dim, query_rows=query_rows, piece_rows=piece_rows)
+    shapes = NpuAttentionShapes.of(c, query_rows=query_rows, piece_rows=piece_rows)
     return Model(c, model.stages, model.experts, model.cpu,
                  npu_attention=NpuAttention(runtime or DoubleRuntime(), shapes))
 
@@ -387,7 +427,8 @@ def test_an_npu_failure_with_two_pieces_in_flight_falls_back_cleanly(fail_run):
     logits = model.forward(ids[:128], state)  # four 32-token pieces, two in flight
     assert _agrees(logits, want[:128])
     assert not state.prefill_scratch.rows and not state.prefill_scratch.stale
-    assert runtime.live_b == 0  # the stale rows gave their NPU memory back
+    # the stale rows gave their NPU memory back
+    assert runtime.live_b == model.npu_attention.projection_buffers()
     # the next call buys the rows again and runs on the NPU
     assert _agrees(model.forward(ids[128:150], state), want[128:150])
     assert state.prefill_scratch.rows
@@ -395,12 +436,15 @@ def test_an_npu_failure_with_two_pieces_in_flight_falls_back_cleanly(fail_run):
 
 def test_out_of_npu_memory_runs_the_call_on_the_cpu():
     path, ids, want = _oracle_ids_and_logits()
-    runtime = _FlakyRuntime(max_b=5)  # a piece needs 2 B per head: the first fails part-way
+    runtime = _FlakyRuntime()
     model = _npu_model(Model.from_hf(path), runtime, query_rows=32, piece_rows=32)
+    held = runtime.live_b  # the layers' projections, written at load
+    assert held == model.npu_attention.projection_buffers() > 0
+    runtime.max_b = held + 5  # a piece needs 2 B per head: the first fails part-way
     state = model.new_state()
     logits = model.forward(ids[:40], state)
     assert _agrees(logits, want[:40])
-    assert not state.broken and runtime.live_b == 0  # the half-made piece was freed
+    assert not state.broken and runtime.live_b == held  # the half-made piece was freed
 
 
 def test_a_dropped_state_gives_its_npu_memory_back():
@@ -410,10 +454,13 @@ def test_a_dropped_state_gives_its_npu_memory_back():
     runtime = DoubleRuntime()
     model = _npu_model(Model.from_hf(path), runtime)
     state = model.new_state()
+    held = runtime.live_b
     model.forward(ids[:70], state)
-    assert runtime.live_b > 0
+    assert runtime.live_b > held
     del state
     gc.collect()
+    assert runtime.live_b == held == model.npu_attention.projection_buffers()
+    model.npu_attention.close()
     assert runtime.live_b == 0
 
 
@@ -421,7 +468,7 @@ def test_the_byte_cap_counts_whole_npu_pieces():
     rng = np.random.default_rng(0)
     heads, r, dn, dv, rope = 2, 16, 16, 16, 4
     bases = {1: mla_bases(*_layer(rng, heads, r, dn, dv))}
-    attn = _attention(heads, dn + rope, dv, 32, 64)
+    attn = _attention(heads, r, dn, rope, dv, 32, 64)
     piece = 64 * attn.shapes.row_bytes()
     scratch = PrefillScratch()
     assert not scratch.choose(bases, rope, 0, 10, piece - 1, store=attn)  # 10 rows: a piece
@@ -436,7 +483,7 @@ def test_attend_raises_only_once_every_core_has_stopped():
     heads, r, dn, dv, rope = 3, 16, 16, 16, 4
     bases = mla_bases(*_layer(rng, heads, r, dn, dv))
     runtime = DoubleRuntime()
-    attn = NpuAttention(runtime, NpuAttentionShapes(heads, dn + rope, dv, 32, 32), cores=3)
+    attn = NpuAttention(runtime, NpuAttentionShapes(heads, r, dn, rope, dv, 32, 32), cores=3)
     rows = attn.new_rows(bases, rope)
     rows.extend(rng.standard_normal((90, r + rope)).astype(np.float32))
     finished = []
@@ -487,17 +534,20 @@ def test_a_short_chunk_runs_at_the_smallest_query_bucket(runtime):
     heads, r, dn, dv, rope = 2, 32, 16, 16, 16
     w_kb, w_vb = _layer(rng, heads, r, dn, dv)
     bases = mla_bases(w_kb, w_vb)
-    attn = _attention(heads, dn + rope, dv, 1024, 64, runtime)
+    attn = _attention(heads, r, dn, rope, dv, 1024, 64, runtime)
     assert attn.shapes.query_buckets == (64, 128, 256, 512, 1024)
     rows = attn.new_rows(bases, rope)
     latent = rng.standard_normal((300, r + rope)).astype(np.float32)
     rows.extend(latent)
+    if isinstance(runtime, DoubleRuntime):
+        assert {s.m for s in runtime.runs} == {512}  # 300 rows projected at M = 512
+        runtime.runs.clear()
     q_lat = np.einsum("thd,hdr->thr",
                       rng.standard_normal((100, heads, dn)).astype(np.float32), w_kb)
     q_rope = rng.standard_normal((100, heads, rope)).astype(np.float32)
     ctx = attn.attend(q_lat, q_rope, rows, 300, 0.2)
     want = _reference(q_lat, q_rope, latent, 300, 0.2)
     err = np.linalg.norm(np.einsum("thr,hrd->thd", ctx - want, bases.value), axis=2)
-    assert (err <= _bound(q_lat, q_rope, latent, bases, 0.2, rope)).all()
+    assert (err <= _bound(q_lat, q_rope, latent, bases, 0.2, rope, want)).all()
     if isinstance(runtime, DoubleRuntime):
         assert {s.m for s in runtime.runs} == {128}  # 100 queries: M = 128, not 1024

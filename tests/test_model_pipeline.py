@@ -23,9 +23,7 @@ def _models(fixture: str, npu: bool) -> tuple[Model, Model]:
     def make() -> Model:
         attention = None
         if npu:
-            shapes = NpuAttentionShapes(c.num_attention_heads,
-                                        c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim,
-                                        query_rows=16, piece_rows=32)
+            shapes = NpuAttentionShapes.of(c, query_rows=16, piece_rows=32)
             attention = NpuAttention(DoubleRuntime(), shapes)
         return Model(c, base.stages, base.experts, base.cpu, threads=2,
                      npu_attention=attention)

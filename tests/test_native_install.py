@@ -264,7 +264,7 @@ def test_the_header_declares_every_kernel_with_its_types():
     abi = native_abi.abi()
     assert set(abi.functions) == {"ling3_native_abi", "ling3_native_isa", "mla_decode_attend",
                                   "mla_prefill_attend", "kda_decode_heads", "kda_chunk_heads",
-                                  "attn_softmax_piece", "moe_quantize_rows",
+                                  "attn_softmax_piece", "half_rows", "moe_quantize_rows",
                                   "moe_swiglu_quantize", "moe_scatter_add"}
     assert abi.version == native.ABI
     kda = abi.functions["kda_decode_heads"]

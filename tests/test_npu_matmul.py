@@ -630,6 +630,9 @@ def test_bench_times_the_prefill_plans_shapes(monkeypatch):
     shapes = npu_matmul.plan_shapes()
     assert shapes["attn_qk"] == MatmulShape(1024, 192, 2048, "fp16")  # mla_npu.py's
     assert shapes["attn_pv"] == MatmulShape(1024, 2048, 128, "fp16")
+    assert shapes["attn_queries"] == MatmulShape(1024, 512, 128, "fp16")  # U_h, per head
+    assert shapes["attn_latents"] == MatmulShape(1024, 128, 512, "fp16")  # V_h^T, per head
+    assert shapes["attn_rows"] == MatmulShape(1024, 512, 16 * 256, "fp16")  # [U | V]
     for m in (16, 32, 64, 128, 256):
         assert shapes[f"expert_gate_up_m{m}"] == MatmulShape(m, 1536, 1024, "int8")
         assert shapes[f"expert_down_m{m}"] == MatmulShape(m, 512, 1536, "int8")

@@ -39,7 +39,7 @@ from ling3_rknn.npu.matmul_plan import MatmulError, MatmulShape
 
 EXPERT_ROWS = (16, 32, 64, 128, 256)
 # Ling-3.0-tiny's MLA heads as the prefill attention runs them on the NPU
-ATTENTION = NpuAttentionShapes(heads=16, qk=192, dv=128)
+ATTENTION = NpuAttentionShapes(heads=16, rank=512, nope=128, rope=64, dv=128)
 
 
 def plan_shapes() -> dict[str, MatmulShape]:
@@ -47,6 +47,9 @@ def plan_shapes() -> dict[str, MatmulShape]:
     shapes = {
         "attn_qk": ATTENTION.scores,
         "attn_pv": ATTENTION.context,
+        "attn_queries": ATTENTION.queries,
+        "attn_latents": ATTENTION.latents,
+        "attn_rows": ATTENTION.rows,
     }
     for m in EXPERT_ROWS:
         shapes[f"expert_gate_up_m{m}"] = MatmulShape(m, 1536, 1024, "int8")

@@ -16,6 +16,14 @@ P.V context per NPU core serve every chunk at every depth, a short chunk at a sm
 h lives on core h % cores, and the cores' heads run on their own threads, so the CPU's
 softmax of one head overlaps the others' matmuls.
 
+The projections into and out of each head's small space run there too, as three more fp16
+matmuls per layer whose B operands are the layer's bases, written once at load
+(``LayerProjections``): a query block's q_h = U_h^T q_lat,h per head, the context back to
+the latent V_h ctx~_h per head, and a chunk's rows [U^T c | V^T c] for every head in one
+matmul. On the CPU they were ~4 x 2 MFLOP per token and layer, a fifth of the CPU's share of
+a prefill (docs/performance.md, "Prefill budget"); on the NPU they cost a few per cent of
+its attention time.
+
 Rows are written once when projected (``NpuRows.extend``): the matmul layer packs a region
 of B in place, so a chunk writes only its own rows (from the last 32-row boundary, the
 alignment both layouts share). The float16 rows take half the bytes of the CPU form's
@@ -28,6 +36,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -75,10 +84,24 @@ class NpuAttentionShapes:
     """The two matmuls one MLA layer's heads run, for a model's head sizes."""
 
     heads: int
-    qk: int  # d_nope + d_rope: one query's / key's width
+    rank: int  # r: the latent rows' width (kv_lora_rank)
+    nope: int  # d_nope: a head's key width in the projected space
+    rope: int  # d_rope: the rope key, shared by the heads
     dv: int
     query_rows: int = QUERY_ROWS
     piece_rows: int = PIECE_ROWS
+
+    @classmethod
+    def of(cls, config: ModelConfig, query_rows: int = QUERY_ROWS,
+           piece_rows: int = PIECE_ROWS) -> NpuAttentionShapes:
+        """A model's MLA head sizes."""
+        return cls(config.num_attention_heads, config.kv_lora_rank, config.qk_nope_head_dim,
+                   config.qk_rope_head_dim, config.v_head_dim, query_rows, piece_rows)
+
+    @property
+    def qk(self) -> int:
+        """One query's / key's width."""
+        return self.nope + self.rope
 
     @property
     def qk_pad(self) -> int:
@@ -87,6 +110,11 @@ class NpuAttentionShapes:
     @property
     def dv_pad(self) -> int:
         return padded(self.dv, ALIGN["fp16"][1])
+
+    @property
+    def rows_width(self) -> int:
+        """The rows' projection's columns: every head's keys, then every head's values."""
+        return self.heads * (self.nope + self.dv)
 
     @property
     def query_buckets(self) -> tuple[int, ...]:
@@ -102,6 +130,31 @@ class NpuAttentionShapes:
     @property
     def context(self) -> MatmulShape:
         return MatmulShape(self.query_rows, self.piece_rows, self.dv_pad, "fp16")
+
+    @property
+    def queries(self) -> MatmulShape:
+        """q_lat,h [M, r] x U_h [r, d_nope]: a head's queries in its small space."""
+        k_align, n_align = ALIGN["fp16"]
+        return MatmulShape(self.query_rows, padded(self.rank, k_align),
+                           padded(self.nope, n_align), "fp16")
+
+    @property
+    def latents(self) -> MatmulShape:
+        """ctx~_h [M, d_v] x V_h^T [d_v, r]: a head's context back in the latent space."""
+        k_align, n_align = ALIGN["fp16"]
+        return MatmulShape(self.query_rows, padded(self.dv, k_align),
+                           padded(self.rank, n_align), "fp16")
+
+    @property
+    def rows(self) -> MatmulShape:
+        """c [M, r] x [U_0 .. U_H-1 | V_0 .. V_H-1]: a chunk's rows for every head."""
+        k_align, n_align = ALIGN["fp16"]
+        return MatmulShape(self.query_rows, padded(self.rank, k_align),
+                           padded(self.rows_width, n_align), "fp16")
+
+    def matmuls(self) -> dict[str, MatmulShape]:
+        return {"scores": self.scores, "context": self.context, "queries": self.queries,
+                "latents": self.latents, "rows": self.rows}
 
     def row_bytes(self) -> int:
         """NPU bytes one cached row takes per layer (keys and values, every head)."""
@@ -129,36 +182,110 @@ class AttentionCounters:
 _COUNTER_LOCK = threading.Lock()
 
 
+class LayerProjections:
+    """One MLA layer's bases as B operands in NPU memory, written once: per head U_h for its
+    queries and V_h^T for its context, on the head's core; [U | V] of every head for the
+    rows, on the rows' core. ``nbytes`` counts them for the memory plan."""
+
+    def __init__(self, attention: NpuAttention, bases: MlaBases) -> None:
+        s = attention.shapes
+        h, r, dn = bases.key.shape
+        if (h, r, dn, bases.value.shape[2]) != (s.heads, s.rank, s.nope, s.dv):
+            raise ValueError(f"bases [{h}, {r}, {dn}] / d_v {bases.value.shape[2]} do not "
+                             f"fit the attention's shapes {s}")
+        self.bases = bases
+        self.query: list[MatmulB] = []
+        self.latent: list[MatmulB] = []
+        made: list[MatmulB] = []
+        try:
+            for head in range(h):
+                core = attention.core_of(head)
+                q = attention._queries[core].new_b()
+                made.append(q)
+                attention._queries[core].write_b(q, _whole(bases.key[head], s.queries))
+                lat = attention._latents[core].new_b()
+                made.append(lat)
+                attention._latents[core].write_b(lat, _whole(bases.value[head].T, s.latents))
+                self.query.append(q)
+                self.latent.append(lat)
+            both = np.concatenate([bases.key.transpose(1, 0, 2).reshape(r, h * dn),
+                                   bases.value.transpose(1, 0, 2).reshape(r, h * s.dv)], axis=1)
+            self.rows = attention._rows.new_b()
+            made.append(self.rows)
+            attention._rows.write_b(self.rows, _whole(both, s.rows))
+        except BaseException:
+            for b in made:
+                b.free()
+            raise
+        self._made = made
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._made)
+
+    def free(self) -> None:
+        for b in self._made:
+            b.free()
+        self._made = []
+
+
 class NpuAttention:
-    """The matmul contexts of the prefill attention: one scores and one context matmul per
-    NPU core. Built once per model; ``new_rows`` makes a layer's row store on them."""
+    """The matmul contexts of the prefill attention: per NPU core one context each for the
+    scores, the context, the queries' and the context's projections, and one for the rows'
+    projection. Built once per model; ``new_rows`` makes a layer's row store on them."""
 
     def __init__(self, runtime: MatmulRuntime, shapes: NpuAttentionShapes,
                  cores: int = NPU_CORES, domain: int = 0) -> None:
         if shapes.piece_rows % ROW_ALIGN:
             raise ValueError(f"piece rows must be a multiple of {ROW_ALIGN}")
-        check_shape(shapes.scores)
-        check_shape(shapes.context)
+        for shape in shapes.matmuls().values():
+            check_shape(shape)
         self.shapes = shapes
         self.runtime = runtime
         self.cores = max(1, min(cores, shapes.heads))
         self._scores: list[MatmulContext] = []
         self._context: list[MatmulContext] = []
+        self._queries: list[MatmulContext] = []
+        self._latents: list[MatmulContext] = []
+        self._rows_ctx: list[MatmulContext] = []
+        self._projections: dict[int, LayerProjections] = {}  # by id(bases), bases held
         try:
             rows = shapes.query_buckets if len(shapes.query_buckets) > 1 else ()
             for core in range(self.cores):
-                self._scores.append(runtime.context(shapes.scores, core=core, domain=domain,
-                                                    rows=rows))
-                self._context.append(runtime.context(shapes.context, core=core,
-                                                     domain=domain, rows=rows))
+                for kind, contexts in (("scores", self._scores), ("context", self._context),
+                                       ("queries", self._queries),
+                                       ("latents", self._latents)):
+                    contexts.append(runtime.context(shapes.matmuls()[kind], core=core,
+                                                    domain=domain, rows=rows))
+            # the rows' projection runs once per chunk and layer, beside the heads' work
+            self._rows_ctx.append(runtime.context(shapes.rows, core=self.cores - 1,
+                                                  domain=domain, rows=rows))
         except Exception:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(self.cores, thread_name_prefix="ling3-npu-attn")
         self.counters = AttentionCounters()
 
+    @property
+    def _rows(self) -> MatmulContext:
+        return self._rows_ctx[0]
+
     def core_of(self, head: int) -> int:
         return head % self.cores
+
+    def projections(self, bases: MlaBases) -> LayerProjections:
+        """The layer's projections in NPU memory, written the first time its bases come."""
+        held = self._projections.get(id(bases))
+        if held is None or held.bases is not bases:
+            held = LayerProjections(self, bases)
+            self._projections[id(bases)] = held
+        return held
+
+    def prepare(self, bases: Iterable[MlaBases]) -> None:
+        """Write every layer's projections now (at load: an NPU that cannot hold them fails
+        there, not in a request)."""
+        for b in bases:
+            self.projections(b)
 
     def new_rows(self, bases: MlaBases, rope: int) -> NpuRows:
         return NpuRows(self, bases, rope)
@@ -168,14 +295,29 @@ class NpuAttention:
         pieces = -(-positions // self.shapes.piece_rows)
         return pieces * self.shapes.piece_rows * self.shapes.row_bytes()
 
+    def projection_buffers(self) -> int:
+        """B operands the layers' projections hold (freed by ``close``)."""
+        return sum(len(held._made) for held in self._projections.values())
+
+    def projection_bytes(self) -> int:
+        """NPU bytes one layer's projections take (``LayerProjections``)."""
+        s = self.shapes
+        per_head = s.queries.k * s.queries.n + s.latents.k * s.latents.n
+        return 2 * (s.heads * per_head + s.rows.k * s.rows.n)
+
     def ready(self) -> bool:
         return bool(self._scores)
 
     def close(self) -> None:
-        for ctx in (*self._scores, *self._context):
+        for held in self._projections.values():
+            held.free()
+        self._projections.clear()
+        for ctx in (*self._scores, *self._context, *self._queries, *self._latents,
+                    *self._rows_ctx):
             ctx.close()
-        self._scores.clear()
-        self._context.clear()
+        for contexts in (self._scores, self._context, self._queries, self._latents,
+                         self._rows_ctx):
+            contexts.clear()
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
@@ -186,25 +328,28 @@ class NpuAttention:
         """``expanded_attention`` on the NPU: the [T, H, r] latent context of a prefill
         chunk's queries over ``rows`` (holding all ``length`` rows, the chunk's own
         included). Raises MatmulError when the NPU fails."""
-        t_len, h, _ = q_latent.shape
+        t_len, h, r = q_latent.shape
         if rows.length != length:
             raise ValueError(f"rows hold {rows.length} positions, attention wants {length}")
-        b = rows.bases
         s = self.shapes
-        q_small = np.matmul(q_latent.transpose(1, 0, 2), b.key)  # [H, T, d_nope]
-        queries = np.zeros((h, t_len, s.qk_pad), np.float32)
-        queries[:, :, :q_small.shape[2]] = q_small
-        queries[:, :, q_small.shape[2]:s.qk] = q_rope.transpose(1, 0, 2)
-        queries = (queries * np.float32(scale)).astype(np.float16)
+        proj = rows.projections
         first_pos = length - t_len
-        ctx_small = np.empty((h, t_len, s.dv), np.float32)
+        out = np.empty((t_len, h, r), np.float32)
 
         def run_core(core: int) -> None:
             for head in range(core, h, self.cores):
                 for q0 in range(0, t_len, s.query_rows):
                     q1 = min(q0 + s.query_rows, t_len)
-                    ctx_small[head, q0:q1] = self._attend_head(
-                        core, queries[head, q0:q1], rows.pieces(head), first_pos + q0)
+                    a = _half(q_latent[q0:q1, head], s.queries.k)
+                    t0 = time.perf_counter()
+                    small = self._queries[core].run(a, proj.query[head])
+                    npu_s = time.perf_counter() - t0
+                    queries = self._queries_of(small, q_rope[q0:q1, head], scale)
+                    ctx = self._attend_head(core, queries, rows.pieces(head), first_pos + q0)
+                    a = _half(ctx, s.latents.k)
+                    t0 = time.perf_counter()
+                    out[q0:q1, head] = self._latents[core].run(a, proj.latent[head])[:, :r]
+                    self.counters.add(2, npu_s + time.perf_counter() - t0, 0.0)
 
         futures = [self._pool.submit(run_core, c) for c in range(1, self.cores)]
         failure: BaseException | None = None
@@ -219,8 +364,16 @@ class NpuAttention:
                 failure = failure or exc
         if failure is not None:
             raise failure
-        # back to latent space, V_h ctx~_h: [h, t, d_v] @ [h, d_v, r] -> [t, h, r]
-        return np.matmul(ctx_small, b.value.transpose(0, 2, 1)).transpose(1, 0, 2)
+        return out
+
+    def _queries_of(self, small: np.ndarray, q_rope: np.ndarray, scale: float) -> np.ndarray:
+        """One head's scaled float16 queries [n, qk_pad]: [U_h^T q_lat | q_rope] * scale,
+        from the NPU's U_h^T q_lat (``small``)."""
+        s = self.shapes
+        queries = np.zeros((len(small), s.qk_pad), np.float16)
+        _to_half(small[:, :s.nope], queries[:, :s.nope], scale)
+        _to_half(q_rope, queries[:, s.nope:s.qk], scale)
+        return queries
 
     def _attend_head(self, core: int, q: np.ndarray, pieces: list[tuple[MatmulB, MatmulB]],
                      first_pos: int) -> np.ndarray:
@@ -229,7 +382,6 @@ class NpuAttention:
         s = self.shapes
         n = len(q)
         # the contexts run at the smallest declared M holding n rows (dynamic shapes)
-        a = np.ascontiguousarray(q, np.float16)
         visible = first_pos + 1 + np.arange(n, dtype=np.int64)  # keys 0 .. visible-1 seen
         run_max = np.full(n, _LOWEST, np.float32)
         denom = np.zeros(n, np.float32)
@@ -243,7 +395,7 @@ class NpuAttention:
             if start >= last:
                 break
             t0 = clock()
-            scores = self._scores[core].run(a, keys)
+            scores = self._scores[core].run(q, keys)
             t1 = clock()
             limit = np.clip(visible - start, 0, s.piece_rows).astype(np.int32)
             softmax_piece(scores, limit, run_max, denom, acc, p)
@@ -253,6 +405,29 @@ class NpuAttention:
                 t2 - t1)
         self.counters.add(runs, matmul, softmax)
         return acc[:, :s.dv] / denom[:, None]
+
+
+def _whole(b: np.ndarray, shape: MatmulShape) -> np.ndarray:
+    """``b`` [k', n'] as a whole float16 B [k, n] of ``shape``, zero-padded: a B buffer's
+    padding is not zero by itself, and 0 x NaN would still be NaN."""
+    out = np.zeros((shape.k, shape.n), np.float16)
+    out[:b.shape[0], :b.shape[1]] = b
+    return out
+
+
+def _half(a: np.ndarray, width: int) -> np.ndarray:
+    """``a`` [n, w <= width] as a float16 matmul operand [n, width], zero-padded."""
+    out = (np.empty if a.shape[1] == width else np.zeros)((len(a), width), np.float16)
+    _to_half(a, out[:, :a.shape[1]])
+    return out
+
+
+def _to_half(src: np.ndarray, dst: np.ndarray, scale: float = 1.0) -> None:
+    """dst = float16(src * scale) for 2-D views (``attn_softmax.c``; numpy where it
+    cannot run)."""
+    src = np.asarray(src, np.float32)
+    if not native.half_rows(src, dst, scale):
+        dst[...] = src * np.float32(scale) if scale != 1.0 else src
 
 
 def softmax_piece(scores: np.ndarray, limit: np.ndarray, run_max: np.ndarray,
@@ -282,6 +457,7 @@ class NpuRows:
 
     def __init__(self, attention: NpuAttention, bases: MlaBases, rope: int) -> None:
         self.bases = bases
+        self.projections = attention.projections(bases)
         self._attn = attention
         self._rope = rope
         self.length = 0
@@ -303,27 +479,35 @@ class NpuRows:
         return [piece[head] for piece in self._pieces]
 
     def extend(self, latent_rows: np.ndarray) -> None:
-        """Project latent rows [n, r + d_r] (positions from ``length`` on) and write them."""
+        """Project latent rows [n, r + d_r] (positions from ``length`` on) on the NPU, in
+        blocks of the contexts' largest M, and write them."""
         if len(latent_rows) == 0:
             return
         s = self._attn.shapes
-        b = self.bases
-        h, r, dn = b.key.shape
-        c = np.asarray(latent_rows[:, :r], np.float32)
-        keys = np.zeros((len(c), h, s.qk_pad), np.float32)
-        keys[:, :, :dn] = (c @ b.key.transpose(1, 0, 2).reshape(r, h * dn)).reshape(-1, h, dn)
-        keys[:, :, dn:s.qk] = latent_rows[:, None, r:]
-        values = np.zeros((len(c), h, s.dv_pad), np.float32)
-        values[:, :, :s.dv] = (c @ b.value.transpose(1, 0, 2).reshape(r, h * s.dv)
-                               ).reshape(-1, h, s.dv)
-        keys16 = np.concatenate([self._tail_keys, keys.astype(np.float16)])
-        values16 = np.concatenate([self._tail_values, values.astype(np.float16)])
-        start = self.length - len(self._tail_keys)  # a multiple of ROW_ALIGN
+        h, r, dn, dv = s.heads, s.rank, s.nope, s.dv
+        tail = len(self._tail_keys)
+        n = tail + len(latent_rows)
+        keys16 = np.zeros((n, h, s.qk_pad), np.float16)
+        values16 = np.zeros((n, h, s.dv_pad), np.float16)
+        keys16[:tail] = self._tail_keys
+        values16[:tail] = self._tail_values
+        for b0 in range(0, len(latent_rows), s.query_rows):
+            block = latent_rows[b0:b0 + s.query_rows]
+            t0 = time.perf_counter()
+            both = self._attn._rows.run(_half(block[:, :r], s.rows.k), self.projections.rows)
+            self._attn.counters.add(1, time.perf_counter() - t0, 0.0)
+            rows = slice(tail + b0, tail + b0 + len(block))
+            for head in range(h):
+                _to_half(both[:, head * dn:(head + 1) * dn], keys16[rows, head, :dn])
+                _to_half(block[:, r:], keys16[rows, head, dn:s.qk])
+                at = h * dn + head * dv
+                _to_half(both[:, at:at + dv], values16[rows, head, :dv])
+        start = self.length - tail  # a multiple of ROW_ALIGN
         self._write(start, keys16, values16)
-        self.length = start + len(keys16)
+        self.length = start + n
         keep = self.length % ROW_ALIGN
-        self._tail_keys = keys16[len(keys16) - keep:].copy()
-        self._tail_values = values16[len(values16) - keep:].copy()
+        self._tail_keys = keys16[n - keep:].copy()
+        self._tail_values = values16[n - keep:].copy()
 
     def _write(self, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         attn = self._attn
@@ -416,9 +600,7 @@ def open_npu_attention(config: ModelConfig, choice: NpuPrefillChoice,
         return None
     if choice == "auto" and resolve_library(runtime)[0] != "librknnrt":
         return None
-    shapes = NpuAttentionShapes(config.num_attention_heads,
-                                config.qk_nope_head_dim + config.qk_rope_head_dim,
-                                config.v_head_dim)
+    shapes = NpuAttentionShapes.of(config)
     matmul = open_runtime(runtime)
     try:
         attention = NpuAttention(matmul, shapes)

@@ -100,6 +100,7 @@ class Model:
         if npu_attention is not None:
             self.pipeline_piece = npu_attention.shapes.query_rows
             self.prefill_chunk = max(prefill_chunk, 2 * self.pipeline_piece)
+            npu_attention.prepare(cpu.mla_bases.values())  # its projections, at load
         self._scale = float(config.qk_head_dim) ** -0.5
         self._layout = StateLayout.from_config(config, latent_dtype)
         self.latent_dtype = latent_dtype  # the MLA latent cache's dtype (state.LATENT_DTYPES)

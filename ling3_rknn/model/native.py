@@ -373,6 +373,22 @@ def softmax_piece(scores: np.ndarray, limit: np.ndarray, run_max: np.ndarray,
     return status == 0
 
 
+def half_rows(src: np.ndarray, dst: np.ndarray, scale: float = 1.0) -> bool:
+    """``attn_softmax.c``'s float32 -> float16 conversion: ``dst[...] = src * scale`` for
+    2-D views whose rows are contiguous (any row stride). False when the kernel is off,
+    cannot run here or the arrays do not fit (the caller then converts in numpy)."""
+    lib = _load() if _enabled else None
+    if (lib is None or src.ndim != 2 or src.shape != dst.shape or src.dtype != np.float32
+            or dst.dtype != np.float16 or src.strides[1] != 4 or dst.strides[1] != 2
+            or src.strides[0] % 4 or dst.strides[0] % 2 or not dst.flags.writeable):
+        return False
+    if not src.size:
+        return True
+    status = lib.half_rows(src.ctypes.data, src.shape[0], src.shape[1], src.strides[0] // 4,
+                           scale, dst.ctypes.data, dst.strides[0] // 2)
+    return status == 0
+
+
 def moe_quantize_rows(src: np.ndarray, rows: np.ndarray, dst: np.ndarray,
                       scales: np.ndarray) -> bool:
     """``moe_int8.c``: rows ``rows`` of ``src`` [*, d] quantised per row into ``dst`` [m, d]

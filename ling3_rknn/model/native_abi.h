@@ -74,6 +74,12 @@ int kda_chunk_heads(const float *q, const float *k, const float *v, const float 
 int attn_softmax_piece(const float *scores, int m, int n, const int32_t *limit, float *run_max,
                        float *denom, float *acc, int dv, uint16_t *p);
 
+/* attn_softmax.c: dst[i][0:cols] = float16(src[i][0:cols] * scale) for i < rows (strides in
+ * elements; dst's other columns untouched). Returns 0, -2 where this build has no float16
+ * conversion. */
+int half_rows(const float *src, int rows, int cols, int64_t src_stride, float scale,
+              uint16_t *dst, int64_t dst_stride);
+
 /* moe_int8.c: the routed experts' activations around their int8 NPU matmuls. Rows rows[i]
  * of src [*, d] quantised per row into dst [m, d] with scales [m] (max|x| / 127). */
 int moe_quantize_rows(const float *src, int d, const int64_t *rows, int m, int8_t *dst,

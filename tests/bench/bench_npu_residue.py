@@ -115,7 +115,7 @@ def attention_share(chunk: int, depths: list[int], rounds: int) -> dict[str, Any
     w_kb = rng.standard_normal((HEADS, DN, R)).astype(np.float32) / np.sqrt(R)
     w_vb = rng.standard_normal((HEADS, DV, R)).astype(np.float32) / np.sqrt(R)
     bases = mla_bases(w_kb, w_vb)
-    shapes = NpuAttentionShapes(HEADS, DN + DR, DV, query_rows=chunk)
+    shapes = NpuAttentionShapes(HEADS, R, DN, DR, DV, query_rows=chunk)
     attn = NpuAttention(InstantRuntime(), shapes, cores=1)  # one thread: per-core figures
     out: dict[str, Any] = {}
     latent = rng.standard_normal((chunk, R + DR)).astype(np.float32)
