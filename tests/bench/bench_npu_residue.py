@@ -1,18 +1,23 @@
 """The CPU work left per prompt token when the NPU runs prefill's matmuls, at Ling-3.0-tiny's
 size, on this host, and what it projects to on four Cortex-A76 cores.
 
-With the stage graphs, attention's Q.K^T / P.V and the routed experts' matmuls on the NPU,
-the CPU still does, per prompt token: the online softmax between the two attention
-matmuls, the rows' projection into the per-head key/value space and the float16
-conversions, the KDA chunked recurrence (18 layers), routing and the experts' activation
-quantisation, SwiGLU and scatter (23 layers), and the engine's Python. The lesson from the
+With the stage graphs, attention's matmuls (Q.K^T, P.V and the projections around them)
+and the routed experts' matmuls on the NPU, the CPU still does, per prompt token: the
+online softmax between the two attention matmuls, the float16 conversions of the NPU's
+operands and the rows' native-layout writes, the KDA chunked recurrence (18 layers),
+routing and the experts' activation quantisation, SwiGLU and scatter (23 layers), and the
+engine's Python. The lesson from the
 llama.cpp fork that runs attention on this NPU: once the matmuls move, that residue is the
 limit. So it is measured here, part by part, with the NPU's share taking no time at all (a
 runtime whose runs return at once): what is left is the CPU's.
 
 1. **Attention's CPU share** (``mla_npu.NpuAttention.attend`` on an instant NPU): a chunk of
-   ``--chunk`` tokens over a cache of each ``--depths``, all 16 heads, 6 MLA layers; the
-   rows' projection (``NpuRows.extend``) for the chunk's own rows.
+   ``--chunk`` tokens over a cache of each ``--depths``, all 16 heads, 6 MLA layers (the
+   online softmax, the float16 operands); the rows' (``NpuRows.extend``: their float16
+   conversion and native-layout writes) for the chunk's own rows.
+   The projections around the NPU's attention matmuls (queries into each head's space,
+   the rows of every head, the context back to the latent) run on the NPU too
+   (``LayerProjections``): here they take no time, their NPU time is in the budget below.
 2. **KDA chunks** (``kda_chunk.c`` through ``kda_chunked``): a 256-token piece, 16 heads x
    128, per token x 18 layers.
 3. **Experts' CPU share**: routing (``moe.route``, 128 experts, 8 of 8 groups' top 4, top-8)
@@ -164,11 +169,12 @@ def experts_share(chunk: int, rounds: int) -> dict[str, float]:
     ch_scale = (rng.random(2 * MOE_I) * 1e-4).astype(np.float32)
     ch_down = (rng.random(HIDDEN) * 1e-4).astype(np.float32)
 
-    def around() -> None:
+    def around() -> None:  # as NpuLayerExperts._run_compiled: each token quantised once
         order = np.argsort(ids.reshape(-1), kind="stable")  # rows grouped by expert
         tokens = (order // TOP_K).astype(np.int64)
-        _, a_scale = moe_int8.quantize_rows(hidden, tokens)
-        _, h_scale = moe_int8.swiglu_quantize(gate_up, a_scale, ch_scale)
+        xq, xs = moe_int8.quantize_rows(hidden, np.arange(chunk, dtype=np.int64))
+        xq[tokens]  # the rows gathered for the NPU
+        _, h_scale = moe_int8.swiglu_quantize(gate_up, xs[tokens], ch_scale)
         out = np.zeros_like(hidden)
         moe_int8.scatter_add(down, h_scale, ch_down, weights.reshape(-1)[order], tokens, out)
 
@@ -205,6 +211,12 @@ def npu_budget(tokens: int, chunk: int, piece: int = 2048) -> dict[str, float]:
         runs += pieces * 2 * HEADS * MLA_LAYERS
     busiest = -(-HEADS // NPU_CORES) / HEADS  # heads are split per core
     attention = attn_s * busiest + runs * RUN_S / NPU_CORES
+    # the projections around it (mla_npu.LayerProjections): a chunk's rows for every head
+    # [chunk, R] x [R, H (DN + DV)], and per head its queries [chunk, R] x [R, DN] and its
+    # context back [chunk, DV] x [DV, R]; at the fp16 rate of Q.K^T's shapes
+    projection_flops = 2 * chunk * R * HEADS * (DN + DV) + HEADS * 2 * chunk * R * (DN + DV)
+    projections = chunks * MLA_LAYERS * (projection_flops / QK_FLOPS / NPU_CORES
+                                         + (1 + 2 * HEADS) * RUN_S / NPU_CORES)
     m = max(1, round(chunk * TOP_K / EXPERTS))  # tokens per expert per chunk
     expert_s = 0.0
     for k, n in ((HIDDEN, 2 * MOE_I), (MOE_I, HIDDEN)):
@@ -216,7 +228,7 @@ def npu_budget(tokens: int, chunk: int, piece: int = 2048) -> dict[str, float]:
     stages = 2 * STAGE_MACS_PER_TOKEN * tokens / (STAGE_TOPS * 1e12)
     calls = chunks * GRAPH_CALLS_PER_CHUNK * GRAPH_CALL_S
     return {"stage graphs": stages, "graph calls": calls, "attention matmuls": attention,
-            "expert matmuls": experts}
+            "attention projections": projections, "expert matmuls": experts}
 
 
 def sgemm_gflops(rounds: int, n: int = 1024) -> float:
@@ -244,8 +256,8 @@ def main() -> None:
                                                for d in depths]))
     rows = float(np.mean([attn[str(d)]["rows_ms_per_token"] for d in depths]))
     parts = {
-        "attention (softmax, queries, fp16)": attend * MLA_LAYERS,
-        "attention rows' projection": rows * MLA_LAYERS,
+        "attention (softmax, float16 operands)": attend * MLA_LAYERS,
+        "attention rows (float16, native layout)": rows * MLA_LAYERS,
         "KDA chunks": kda * KDA_LAYERS,
         "routing": experts["routing_ms_per_token"] * MOE_LAYERS,
         "experts' activations": experts["activations_ms_per_token"] * MOE_LAYERS,
