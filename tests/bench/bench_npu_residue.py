@@ -58,6 +58,7 @@ HEADS, R, DN, DR, DV = 16, 512, 128, 64, 128  # Ling-3.0-tiny's MLA
 HIDDEN, EXPERTS, TOP_K, MOE_I = 1536, 128, 8, 512
 KDA_LAYERS, MLA_LAYERS, MOE_LAYERS = 18, 6, 23
 OPENCODE_TOKENS = 16604
+TURN_TOKENS, TURN_DEPTH = 500, 17000  # a later agent turn
 A76_GFLOPS = 16 * 2.4  # one core's float32 FMA peak
 # what an A76 core's sgemm reaches of that peak (assumed: a NEON sgemm's usual efficiency;
 # the board's `ling3-rknn bench` cpu_glue figure checks the projection built on it)
@@ -195,17 +196,19 @@ NPU_CORES = 3
 EXPERT_BUCKET = 256  # the largest M an expert matmul context takes
 
 
-def npu_budget(tokens: int, chunk: int, piece: int = 2048) -> dict[str, float]:
-    """Seconds of NPU time per phase for a prompt of ``tokens`` in pieces of ``chunk``, from
-    the rates above: attention's matmuls per head and piece (pieces run whole, chunks padded
-    to ``chunk`` query rows), the experts' matmuls per (expert, projection) with M the
-    expert's share of a chunk (routing spread evenly), each at the slower of its arithmetic
-    and reading its weights, plus every run's fixed cost; cores in parallel."""
+def npu_budget(tokens: int, chunk: int, piece: int = 2048, depth: int = 0
+               ) -> dict[str, float]:
+    """Seconds of NPU time per phase for ``tokens`` prompt tokens after ``depth`` cached ones,
+    in pieces of ``chunk`` (the query rows a piece's matmuls run at), from the rates above:
+    attention's matmuls per head and piece (pieces run whole, chunks padded to ``chunk``
+    query rows), the experts' matmuls per (expert, projection) with M the expert's share of
+    a chunk (routing spread evenly), each at the slower of its arithmetic and reading its
+    weights, plus every run's fixed cost; cores in parallel."""
     chunks = -(-tokens // chunk)
     qk, dv = DN + DR, DV
     attn_s = runs = 0.0
     for c in range(chunks):
-        pieces = -(-min(tokens, (c + 1) * chunk) // piece)
+        pieces = -(-(depth + min(tokens, (c + 1) * chunk)) // piece)
         per_head = pieces * 2 * chunk * piece * (qk / QK_FLOPS + dv / PV_FLOPS)
         attn_s += per_head * HEADS * MLA_LAYERS
         runs += pieces * 2 * HEADS * MLA_LAYERS
@@ -217,7 +220,7 @@ def npu_budget(tokens: int, chunk: int, piece: int = 2048) -> dict[str, float]:
     projection_flops = 2 * chunk * R * HEADS * (DN + DV) + HEADS * 2 * chunk * R * (DN + DV)
     projections = chunks * MLA_LAYERS * (projection_flops / QK_FLOPS / NPU_CORES
                                          + (1 + 2 * HEADS) * RUN_S / NPU_CORES)
-    m = max(1, round(chunk * TOP_K / EXPERTS))  # tokens per expert per chunk
+    m = max(1, round(min(chunk, tokens) * TOP_K / EXPERTS))  # tokens per expert per chunk
     expert_s = 0.0
     for k, n in ((HIDDEN, 2 * MOE_I), (MOE_I, HIDDEN)):
         calls = -(-m // EXPERT_BUCKET)
@@ -291,6 +294,19 @@ def main() -> None:
     print(f"\nchunk {args.chunk}: NPU {npu_total:.1f} s, CPU residue {cpu_total:.1f} s: "
           f"in turn {npu_total + cpu_total:.1f} s, fully overlapped "
           f"{max(npu_total, cpu_total):.1f} s")
+    # a later turn: TURN_TOKENS new tokens after TURN_DEPTH cached ones, one piece (the
+    # kept rows cover the cache: only the turn's own rows are projected); attention's CPU
+    # share is linear in the depth, so it is extrapolated from the measured depths
+    slope, base = np.polyfit(xs, [attn[str(d)]["attend_ms_per_token"] for d in depths], 1)
+    turn_attend = (base + slope * (TURN_DEPTH + TURN_TOKENS / 2)) * MLA_LAYERS
+    turn_cpu = (turn_attend + total - parts["attention (softmax, float16 operands)"]
+                ) * scale * TURN_TOKENS / 1e3
+    turn_npu = npu_budget(TURN_TOKENS, min(b for b in (64, 128, 256, 512, 1024)
+                                           if b >= TURN_TOKENS), depth=TURN_DEPTH)
+    print(f"\na later turn of {TURN_TOKENS} tokens at depth {TURN_DEPTH} (one piece): NPU "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in turn_npu.items())
+          + f"; total {sum(turn_npu.values()):.2f} s; CPU residue {turn_cpu:.2f} s; in turn "
+          f"{sum(turn_npu.values()) + turn_cpu:.2f} s")
     print("\nattention's CPU share per depth (ms per token and layer, one thread):")
     for d in depths:
         a = attn[str(d)]
@@ -302,7 +318,9 @@ def main() -> None:
                        "experts": experts, "parts_ms_per_token": parts,
                        "a76_scale": scale, "chunk": args.chunk,
                        "npu_seconds": {str(k): v for k, v in npu_by_chunk.items()},
-                       "cpu_residue_seconds": cpu_total}, f, indent=1)
+                       "cpu_residue_seconds": cpu_total,
+                       "later_turn_seconds": {"npu": turn_npu, "cpu": turn_cpu}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
