@@ -11,6 +11,7 @@ from conftest import ORACLE_DIR, ORACLE_FIXTURES
 from npu_matmul_double import DoubleRuntime
 
 from ling3_rknn.model import Model, StateError
+from ling3_rknn.model import model as model_module
 from ling3_rknn.model.mla_npu import NpuAttention, NpuAttentionShapes
 from ling3_rknn.model.pipeline import run_wavefront
 
@@ -50,6 +51,34 @@ def test_pieces_in_flight_give_the_bits_of_one_call_per_piece(fixture, npu):
         want_last = plain.forward(ids[a:min(a + 16, 120)], s2, last_only=True)
     np.testing.assert_array_equal(last, want_last)
     assert s1.length == s2.length == 120
+
+
+@pytest.mark.parametrize("t,halves", [(12, (6, 6)), (11, (6, 5)), (9, None)])
+def test_a_call_within_one_piece_runs_as_two_halves_in_flight(t, halves, monkeypatch):
+    """A later turn shorter than the pipeline's piece still overlaps its NPU and CPU work:
+    two halves in flight, the bits of a call per half; below twice the smallest half, one
+    piece (the halves' extra weight reads would cost more than the overlap gives)."""
+    with np.load(ORACLE_DIR / ORACLE_FIXTURES[0] / "reference.npz") as ref:
+        ids = np.asarray(ref["input_ids"])
+    piped, plain = _models(ORACLE_FIXTURES[0], True)
+    s1, s2 = piped.new_state(), plain.new_state()
+    piped.forward(ids[:16], s1)  # one piece: 16 < 2 x 192
+    plain.forward(ids[:16], s2)
+    monkeypatch.setattr(model_module, "PIPELINE_MIN_PIECE", 5)
+    runs = []
+    real = model_module.run_wavefront
+    monkeypatch.setattr(model_module, "run_wavefront",
+                        lambda n, *a: runs.append(n) or real(n, *a))
+    got = piped.forward(ids[16:16 + t], s1)
+    if halves is None:
+        assert runs == []
+        want = plain.forward(ids[16:16 + t], s2)
+    else:
+        assert runs == [2]
+        first = halves[0]
+        want = np.concatenate([plain.forward(ids[16:16 + first], s2),
+                               plain.forward(ids[16 + first:16 + t], s2)])
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_failing_piece_stops_both_and_breaks_the_state(monkeypatch):

@@ -58,6 +58,12 @@ log = logging.getLogger(__name__)
 # Tokens per prefill forward when the stages take any length (numpy) or only small graphs.
 DEFAULT_PREFILL_CHUNK = 64
 
+# A call of at most one pipeline piece still runs as two halves in flight when each half has
+# at least this many tokens: a later agent turn (~500 tokens at 17K depth) is ~1.1 s of NPU
+# and ~0.9 s of CPU one after the other (docs/performance.md, "Prefill budget"); in flight
+# they overlap, for ~0.2 s more of the routed experts' weight reads (each half reads them).
+PIPELINE_MIN_PIECE = 192
+
 
 class Model:
     """Ling-3.0 forward pass. ``forward`` on a whole sequence or on its pieces gives the same
@@ -210,6 +216,8 @@ class Model:
         state.broken = True  # cleared only when every layer has been advanced
         expanded = self._expanded_prefill(state, len(ids))
         piece = self.pipeline_piece
+        if piece and len(ids) <= piece and len(ids) >= 2 * PIPELINE_MIN_PIECE:
+            piece = -(-len(ids) // 2)  # a later turn's few hundred tokens: two halves
         if piece and len(ids) > piece:
             pieces = self._pipelined(ids, state, expanded, piece, last_only)
         else:
