@@ -27,132 +27,180 @@
 
 #define SUB LING3_KDA_SUB
 
+/* The register tile of rows_times: TILE_ROWS rows x TILE_VECS vectors of accumulators, sized
+ * to the register file (16 vector registers on SSE/AVX2: 4 x 2; 32 on AVX-512 and NEON),
+ * with the tile's column strip of B (kdim x TILE_VECS vectors, <= 16 KB at kdim = 128) kept
+ * in L1 while the rows go by. */
+#ifndef TILE_ROWS
+#if VN == 16
+#define TILE_ROWS 8
+#define TILE_VECS 2
+#elif defined(__aarch64__)
+#define TILE_ROWS 4
+#define TILE_VECS 4
+#else
+#define TILE_ROWS 4
+#define TILE_VECS 2
+#endif
+#endif
+
+/* One tile of rows_times: rows [r, r + mr) x vectors [c, c + nv * VN), mr and nv constants
+ * after inlining, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile(
+    int mr, int nv, int r, int c, int kn, const float *A, int64_t lda, int64_t ak,
+    const float *B, int64_t ldb, float *out, int64_t ldo, int acc, const float *keep_scale) {
+    vfn s[TILE_ROWS][TILE_VECS];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++)
+            s[i][v] = acc ? vfn_load(out + (r + i) * ldo + c + v * VN) : vfn_splat(0.0f);
+    if (keep_scale)
+        for (int i = 0; i < mr; i++)
+            for (int v = 0; v < nv; v++) s[i][v] *= vfn_splat(keep_scale[r + i]);
+    const float *a = A + r * lda;
+    for (int j = 0; j < kn; j++) {
+        vfn b[TILE_VECS];
+        for (int v = 0; v < nv; v++) b[v] = vfn_load(B + j * ldb + c + v * VN);
+        for (int i = 0; i < mr; i++) {
+            const vfn x = vfn_splat(a[i * lda + j * ak]);
+            for (int v = 0; v < nv; v++) s[i][v] += x * b[v];
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) vfn_store(out + (r + i) * ldo + c + v * VN, s[i][v]);
+}
+
 /*
  * out[r][0:n] = keep(r) + sum_{j < kn(r)} A[r * lda + j * ak] * B[j * ldb + 0:n] for r < m,
  * where keep(r) is 0 without `acc`, else out[r][0:n] scaled by keep_scale[r] when given,
- * and kn(r) = kdim, or min(kdim, r + 1) when `causal` (A zero above its diagonal).
- * n is a multiple of VN. Blocks of 4 rows x 2 vectors keep 8 accumulators in registers (16
- * ymm on AVX2, 32 on NEON and AVX-512); B's vectors are loaded once per 4 rows.
+ * and kn(r) = kdim, or min(kdim, r + 1) when `causal` (A zero above its diagonal: a tile
+ * reads to its last row's diagonal). n is a multiple of VN. Column strips outside, rows
+ * inside: a strip of B is read from L2 once, A's rows stream past it.
  */
 static void rows_times(int m, int kdim, int n, const float *A, int64_t lda, int64_t ak,
                        const float *B, int64_t ldb, float *out, int64_t ldo, int acc,
                        const float *keep_scale, int causal) {
-    int r = 0;
-    for (; r + 4 <= m; r += 4) {
-        const int kn = causal && r + 4 < kdim ? r + 4 : kdim;
-        int c = 0;
-        for (; c + 2 * VN <= n; c += 2 * VN) {
-            vfn s[4][2];
-            for (int i = 0; i < 4; i++)
-                for (int v = 0; v < 2; v++)
-                    s[i][v] = acc ? vfn_load(out + (r + i) * ldo + c + v * VN) : vfn_splat(0.0f);
-            if (keep_scale)
-                for (int i = 0; i < 4; i++)
-                    for (int v = 0; v < 2; v++) s[i][v] *= vfn_splat(keep_scale[r + i]);
-            for (int j = 0; j < kn; j++) {
-                const vfn b0 = vfn_load(B + j * ldb + c), b1 = vfn_load(B + j * ldb + c + VN);
-                for (int i = 0; i < 4; i++) {
-                    const vfn a = vfn_splat(A[(r + i) * lda + j * ak]);
-                    s[i][0] += a * b0;
-                    s[i][1] += a * b1;
-                }
-            }
-            for (int i = 0; i < 4; i++)
-                for (int v = 0; v < 2; v++) vfn_store(out + (r + i) * ldo + c + v * VN, s[i][v]);
+    for (int c = 0; c < n;) {
+        const int nv = n - c >= TILE_VECS * VN ? TILE_VECS : 1;
+        int r = 0;
+        for (; r + TILE_ROWS <= m; r += TILE_ROWS) {
+            const int kn = causal && r + TILE_ROWS < kdim ? r + TILE_ROWS : kdim;
+            if (nv == TILE_VECS)
+                tile(TILE_ROWS, TILE_VECS, r, c, kn, A, lda, ak, B, ldb, out, ldo, acc, keep_scale);
+            else
+                tile(TILE_ROWS, 1, r, c, kn, A, lda, ak, B, ldb, out, ldo, acc, keep_scale);
         }
-        for (; c < n; c += VN) {
-            vfn s[4];
-            for (int i = 0; i < 4; i++)
-                s[i] = acc ? vfn_load(out + (r + i) * ldo + c) : vfn_splat(0.0f);
-            if (keep_scale)
-                for (int i = 0; i < 4; i++) s[i] *= vfn_splat(keep_scale[r + i]);
-            for (int j = 0; j < kn; j++) {
-                const vfn b = vfn_load(B + j * ldb + c);
-                for (int i = 0; i < 4; i++) s[i] += vfn_splat(A[(r + i) * lda + j * ak]) * b;
-            }
-            for (int i = 0; i < 4; i++) vfn_store(out + (r + i) * ldo + c, s[i]);
+        for (; r < m; r++) {
+            const int kn = causal && r + 1 < kdim ? r + 1 : kdim;
+            if (nv == TILE_VECS)
+                tile(1, TILE_VECS, r, c, kn, A, lda, ak, B, ldb, out, ldo, acc, keep_scale);
+            else
+                tile(1, 1, r, c, kn, A, lda, ak, B, ldb, out, ldo, acc, keep_scale);
         }
-    }
-    for (; r < m; r++) {
-        const int kn = causal && r + 1 < kdim ? r + 1 : kdim;
-        for (int c = 0; c < n; c += VN) {
-            vfn s = acc ? vfn_load(out + r * ldo + c) : vfn_splat(0.0f);
-            if (keep_scale) s *= vfn_splat(keep_scale[r]);
-            for (int j = 0; j < kn; j++)
-                s += vfn_splat(A[r * lda + j * ak]) * vfn_load(B + j * ldb + c);
-            vfn_store(out + r * ldo + c, s);
-        }
+        c += nv * VN;
     }
 }
 
-/* kk[jj] = kr . keys[jj], qk[jj] = qr . keys[jj] for jj < n (n <= 4 at a time: 8 chains). */
-static void dots_against(const float *kr, const float *qr, const float *keys, int n, int d,
-                         float *kk, float *qk) {
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {
-        vfn a[4], b[4];
-        for (int t = 0; t < 4; t++) a[t] = b[t] = vfn_splat(0.0f);
-        for (int i = 0; i < d; i += VN) {
-            const vfn kv = vfn_load(kr + i), qv = vfn_load(qr + i);
-            for (int t = 0; t < 4; t++) {
-                const vfn key = vfn_load(keys + (int64_t)(j + t) * d + i);
-                a[t] += kv * key;
-                b[t] += qv * key;
-            }
-        }
-        for (int t = 0; t < 4; t++) {
-            kk[j + t] = vfn_sum(a[t]);
-            qk[j + t] = vfn_sum(b[t]);
+/* Sum of a vector's lanes by halves: log2(VN) vector adds where vfn_sum takes VN - 1 in
+ * order. The halves are built from constant lane indices, which gcc compiles to register
+ * extracts (a memcpy of the halves would make the summed vector addressable and keep the
+ * callers' accumulators on the stack). */
+static inline float lanes_sum(vfn v) {
+    typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+#if VN == 16
+    typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+    const v8 h8 = (v8){v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]} +
+                  (v8){v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
+    const v4 h4 = (v4){h8[0], h8[1], h8[2], h8[3]} + (v4){h8[4], h8[5], h8[6], h8[7]};
+#elif VN == 8
+    const v4 h4 = (v4){v[0], v[1], v[2], v[3]} + (v4){v[4], v[5], v[6], v[7]};
+#else
+    const v4 h4 = v;
+#endif
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+/* One row r of a diagonal block against ns (<= 4) earlier rows of it: w[t] = k_s e^(G_(r-1)
+ * - G_s) becomes k_s e^(G_r - G_s) (times a = e^(G_r - G_(r-1))), kk_out[t] = k_r . w[t],
+ * qk_out[t] = q_r . w[t]. Rows of w sit d apart. 2 ns independent sums per channel vector. */
+static inline __attribute__((always_inline)) void chain_step(
+    int ns, float *w, const float *a, const float *kr, const float *qr, int d, float *kk_out,
+    float *qk_out) {
+    vfn sk[4], sq[4];
+    for (int t = 0; t < ns; t++) sk[t] = sq[t] = vfn_splat(0.0f);
+    for (int i = 0; i < d; i += VN) {
+        const vfn f = vfn_load(a + i), kv = vfn_load(kr + i), qv = vfn_load(qr + i);
+#pragma GCC unroll 4
+        for (int t = 0; t < ns; t++) {
+            const vfn x = vfn_load(w + (int64_t)t * d + i) * f;
+            vfn_store(w + (int64_t)t * d + i, x);
+            sk[t] += kv * x;
+            sq[t] += qv * x;
         }
     }
-    for (; j < n; j++) {
-        vfn a = vfn_splat(0.0f), b = vfn_splat(0.0f);
-        for (int i = 0; i < d; i += VN) {
-            const vfn key = vfn_load(keys + (int64_t)j * d + i);
-            a += vfn_load(kr + i) * key;
-            b += vfn_load(qr + i) * key;
-        }
-        kk[j] = vfn_sum(a);
-        qk[j] = vfn_sum(b);
+    for (int t = 0; t < ns; t++) {
+        kk_out[t] = lanes_sum(sk[t]);
+        qk_out[t] = lanes_sum(sq[t]);
     }
 }
 
-/* KK and QK of one chunk, [c][c] each, lower triangle with the diagonal (zero above). */
-static void decayed_products(const float *k, const float *q, int64_t ld, const float *g, int c,
-                             int d, float *kk, float *qk, float *keys, float *kr, float *qr) {
+/*
+ * KK and QK of one chunk, [c][c] each, lower triangle with the diagonal (zero above).
+ * scratch: the free parts of kda_chunk_heads' buffers, see there.
+ *
+ * Pairs inside a diagonal block of SUB rows: w_s = k_s e^(G_r - G_s) is carried down the
+ * block's rows, one product with a_r = e^(G_r - G_(r-1)) per row (one exp per row and
+ * channel, not one per pair; every factor <= 1, so w_s only falls), and kk[r][s] =
+ * k_r . w_s, qk[r][s] = q_r . w_s. Pairs across blocks factor through the row b = r0 - 1
+ * before r's block: (k_r e^(G_r - G_b)) . (k_s e^(G_b - G_s)), both factors <= 1; the
+ * block's rows scaled once, the earlier keys scaled per block and laid out [d][s] so the
+ * block's rows x keys is one register-blocked product (rows_times).
+ */
+static void decayed_products(const float *k, const float *q, const float *lc, int64_t ld,
+                             const float *g, int c, int d, float *kk, float *qk, float *w,
+                             float *keys_t, float *rows_k, float *rows_q, float *a) {
     memset(kk, 0, sizeof(float) * c * c);
     memset(qk, 0, sizeof(float) * c * c);
-    for (int s0 = 0; s0 < c; s0 += SUB) {
-        const int s1 = s0 + SUB < c ? s0 + SUB : c;
-        for (int r = s0; r < s1; r++) {
-            const float *kr_ = k + r * ld, *qr_ = q + r * ld, *gr = g + (int64_t)r * d;
-            for (int s = s0; s <= r; s++) {
-                const float *ks = k + s * ld, *gs = g + (int64_t)s * d;
-                vfn a = vfn_splat(0.0f), b = vfn_splat(0.0f);
-                for (int i = 0; i < d; i += VN) {
-                    const vfn f = vfn_load(ks + i) * vfn_exp(vfn_load(gr + i) - vfn_load(gs + i));
-                    a += vfn_load(kr_ + i) * f;
-                    b += vfn_load(qr_ + i) * f;
+    for (int r0 = 0; r0 < c; r0 += SUB) {
+        const int r1 = r0 + SUB < c ? r0 + SUB : c;
+        for (int r = r0; r < r1; r++) {
+            const float *kr = k + r * ld, *qr = q + r * ld;
+            float *wr = w + (int64_t)(r - r0) * d;
+            vfn dk = vfn_splat(0.0f), dq = vfn_splat(0.0f);
+            for (int i = 0; i < d; i += VN) {
+                const vfn key = vfn_load(kr + i);
+                vfn_store(wr + i, key);
+                vfn_store(a + i, vfn_exp(vfn_load(lc + r * ld + i)));
+                dk += key * key;
+                dq += vfn_load(qr + i) * key;
+            }
+            kk[r * c + r] = lanes_sum(dk);
+            qk[r * c + r] = lanes_sum(dq);
+            for (int s = r0; s < r; s += 4) {
+                float *ws = w + (int64_t)(s - r0) * d, *ko = kk + r * c + s, *qo = qk + r * c + s;
+                switch (r - s < 4 ? r - s : 4) {
+                case 1: chain_step(1, ws, a, kr, qr, d, ko, qo); break;
+                case 2: chain_step(2, ws, a, kr, qr, d, ko, qo); break;
+                case 3: chain_step(3, ws, a, kr, qr, d, ko, qo); break;
+                default: chain_step(4, ws, a, kr, qr, d, ko, qo); break;
                 }
-                kk[r * c + s] = vfn_sum(a);
-                qk[r * c + s] = vfn_sum(b);
             }
         }
-        if (s1 >= c) break;
-        const float *gb = g + (int64_t)(s1 - 1) * d; /* the block's last row */
-        for (int s = s0; s < s1; s++)
-            for (int i = 0; i < d; i += VN)
-                vfn_store(keys + (int64_t)(s - s0) * d + i,
-                          vfn_load(k + s * ld + i) *
-                              vfn_exp(vfn_load(gb + i) - vfn_load(g + (int64_t)s * d + i)));
-        for (int r = s1; r < c; r++) {
+        if (r0 == 0) continue;
+        const float *gb = g + (int64_t)(r0 - 1) * d; /* the row before the block */
+        for (int r = r0; r < r1; r++)
             for (int i = 0; i < d; i += VN) {
                 const vfn f = vfn_exp(vfn_load(g + (int64_t)r * d + i) - vfn_load(gb + i));
-                vfn_store(kr + i, vfn_load(k + r * ld + i) * f);
-                vfn_store(qr + i, vfn_load(q + r * ld + i) * f);
+                vfn_store(rows_k + (int64_t)(r - r0) * d + i, vfn_load(k + r * ld + i) * f);
+                vfn_store(rows_q + (int64_t)(r - r0) * d + i, vfn_load(q + r * ld + i) * f);
             }
-            dots_against(kr, qr, keys, s1 - s0, d, kk + r * c + s0, qk + r * c + s0);
-        }
+        for (int s = 0; s < r0; s++) /* keys_t[i][s] = k_si e^(G_bi - G_si) */
+            for (int i = 0; i < d; i += VN) {
+                const vfn e = vfn_load(k + s * ld + i) *
+                              vfn_exp(vfn_load(gb + i) - vfn_load(g + (int64_t)s * d + i));
+                for (int l = 0; l < VN; l++) keys_t[(int64_t)(i + l) * r0 + s] = e[l];
+            }
+        rows_times(r1 - r0, d, r0, rows_k, d, 1, keys_t, r0, kk + r0 * c, c, 0, NULL, 0);
+        rows_times(r1 - r0, d, r0, rows_q, d, 1, keys_t, r0, qk + r0 * c, c, 0, NULL, 0);
     }
 }
 
@@ -239,7 +287,9 @@ int kda_chunk_heads(const float *q, const float *k, const float *v, const float 
                     vfn_store(g + (int64_t)r * d + i, prev + vfn_load(lc + r * ld + i));
                 }
             }
-            decayed_products(kc, qc, ld, g, c, d, kk, qk, keys, kr, qr);
+            /* x and ws are free until the solve: the block's w [SUB][d], the earlier keys
+             * [d][< c], the block's scaled rows [SUB][d] twice and a [d] */
+            decayed_products(kc, qc, lc, ld, g, c, d, kk, qk, keys, ws, x, x + SUB * d, kr);
             for (int r = 0; r < c; r++) {
                 const vfn b = vfn_splat(bt[r]);
                 float *xr = x + (int64_t)r * 2 * d;
