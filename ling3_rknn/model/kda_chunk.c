@@ -204,33 +204,43 @@ static void decayed_products(const float *k, const float *q, const float *lc, in
     }
 }
 
-/* Rows of x [c][w] (w a multiple of VN) made x[r] -= beta[r] * sum_{s < r} kk[r][s] x[s]:
- * the forward substitution of the unit lower triangular system, 4 vectors of columns at a
- * time so a row's running value stays in registers. */
-static void forward_substitute(float *x, int c, int w, const float *kk, const float *beta) {
-    int col = 0;
-    for (; col + 4 * VN <= w; col += 4 * VN)
-        for (int r = 1; r < c; r++) {
-            vfn s[4];
-            for (int v = 0; v < 4; v++) s[v] = vfn_splat(0.0f);
-            for (int j = 0; j < r; j++) {
-                const vfn m = vfn_splat(kk[r * c + j]);
-                for (int v = 0; v < 4; v++) s[v] += m * vfn_load(x + (int64_t)j * w + col + v * VN);
+/*
+ * Rows of x [c][w] (w a multiple of VN) made x[r] -= beta[r] * sum_{s < r} kk[r][s] x[s]: the
+ * forward substitution of the unit lower triangular system. kk's strict lower triangle is
+ * made -beta[r] kk[r][s] on the way. By blocks of SUB rows: a block's rows take the earlier
+ * blocks' (solved) rows in one register-blocked product, then its own triangle by
+ * substitution, 4 vectors of columns at a time so a row's running value stays in registers.
+ */
+static void forward_substitute(float *x, int c, int w, float *kk, const float *beta) {
+    for (int r = 1; r < c; r++)
+        for (int s = 0; s < r; s++) kk[r * c + s] *= -beta[r];
+    for (int r0 = 0; r0 < c; r0 += SUB) {
+        const int r1 = r0 + SUB < c ? r0 + SUB : c;
+        if (r0)
+            rows_times(r1 - r0, r0, w, kk + r0 * c, c, 1, x, w, x + (int64_t)r0 * w, w, 1, NULL,
+                       0);
+        int col = 0;
+        for (; col + 4 * VN <= w; col += 4 * VN)
+            for (int r = r0 + 1; r < r1; r++) {
+                float *p = x + (int64_t)r * w + col;
+                vfn s[4];
+                for (int v = 0; v < 4; v++) s[v] = vfn_load(p + v * VN);
+                for (int j = r0; j < r; j++) {
+                    const vfn m = vfn_splat(kk[r * c + j]);
+                    for (int v = 0; v < 4; v++)
+                        s[v] += m * vfn_load(x + (int64_t)j * w + col + v * VN);
+                }
+                for (int v = 0; v < 4; v++) vfn_store(p + v * VN, s[v]);
             }
-            const vfn b = vfn_splat(beta[r]);
-            for (int v = 0; v < 4; v++) {
-                float *p = x + (int64_t)r * w + col + v * VN;
-                vfn_store(p, vfn_load(p) - b * s[v]);
+        for (; col < w; col += VN)
+            for (int r = r0 + 1; r < r1; r++) {
+                float *p = x + (int64_t)r * w + col;
+                vfn s = vfn_load(p);
+                for (int j = r0; j < r; j++)
+                    s += vfn_splat(kk[r * c + j]) * vfn_load(x + (int64_t)j * w + col);
+                vfn_store(p, s);
             }
-        }
-    for (; col < w; col += VN)
-        for (int r = 1; r < c; r++) {
-            vfn s = vfn_splat(0.0f);
-            for (int j = 0; j < r; j++)
-                s += vfn_splat(kk[r * c + j]) * vfn_load(x + (int64_t)j * w + col);
-            float *p = x + (int64_t)r * w + col;
-            vfn_store(p, vfn_load(p) - vfn_splat(beta[r]) * s);
-        }
+    }
 }
 
 /* Prefetch the rows of q, k, v and log_decay one (head, chunk) will read. A head's rows sit
