@@ -145,19 +145,23 @@ static inline __attribute__((always_inline)) void chain_step(
 
 /*
  * KK and QK of one chunk, [c][c] each, lower triangle with the diagonal (zero above).
- * scratch: the free parts of kda_chunk_heads' buffers, see there.
+ * lc: the chunk's log decay rows (ld apart). Scratch: w [SUB][d], keys_t [d][c], rows_k and
+ * rows_q [SUB][d], a and p [d].
  *
  * Pairs inside a diagonal block of SUB rows: w_s = k_s e^(G_r - G_s) is carried down the
  * block's rows, one product with a_r = e^(G_r - G_(r-1)) per row (one exp per row and
  * channel, not one per pair; every factor <= 1, so w_s only falls), and kk[r][s] =
  * k_r . w_s, qk[r][s] = q_r . w_s. Pairs across blocks factor through the row b = r0 - 1
- * before r's block: (k_r e^(G_r - G_b)) . (k_s e^(G_b - G_s)), both factors <= 1; the
- * block's rows scaled once, the earlier keys scaled per block and laid out [d][s] so the
- * block's rows x keys is one register-blocked product (rows_times).
+ * before r's block: (k_r e^(G_r - G_b)) . (k_s e^(G_b - G_s)), both factors <= 1, one
+ * register-blocked product of the block's rows and the earlier keys, laid out [d][s]
+ * (rows_times). Neither side takes an exp of its own: the block's rows are scaled by the
+ * running product p_r = e^(G_r - G_b) of its a_r, and the keys for the next block are the
+ * earlier ones times the block's whole decay p (a factor per channel, one row of keys_t)
+ * and the block's own w_s at its last row, k_s e^(G_(r1 - 1) - G_s), transposed in.
  */
 static void decayed_products(const float *k, const float *q, const float *lc, int64_t ld,
-                             const float *g, int c, int d, float *kk, float *qk, float *w,
-                             float *keys_t, float *rows_k, float *rows_q, float *a) {
+                             int c, int d, float *kk, float *qk, float *w, float *keys_t,
+                             float *rows_k, float *rows_q, float *a, float *p) {
     memset(kk, 0, sizeof(float) * c * c);
     memset(qk, 0, sizeof(float) * c * c);
     for (int r0 = 0; r0 < c; r0 += SUB) {
@@ -165,13 +169,21 @@ static void decayed_products(const float *k, const float *q, const float *lc, in
         for (int r = r0; r < r1; r++) {
             const float *kr = k + r * ld, *qr = q + r * ld;
             float *wr = w + (int64_t)(r - r0) * d;
+            float *rk = rows_k + (int64_t)(r - r0) * d, *rq = rows_q + (int64_t)(r - r0) * d;
             vfn dk = vfn_splat(0.0f), dq = vfn_splat(0.0f);
             for (int i = 0; i < d; i += VN) {
-                const vfn key = vfn_load(kr + i);
+                const vfn key = vfn_load(kr + i), query = vfn_load(qr + i);
+                const vfn f = vfn_exp(vfn_load(lc + r * ld + i));
+                const vfn pf = r == r0 ? f : vfn_load(p + i) * f;
                 vfn_store(wr + i, key);
-                vfn_store(a + i, vfn_exp(vfn_load(lc + r * ld + i)));
+                vfn_store(a + i, f);
+                vfn_store(p + i, pf);
+                if (r0) { /* rows_k, rows_q only exist past the first block (c > SUB) */
+                    vfn_store(rk + i, key * pf);
+                    vfn_store(rq + i, query * pf);
+                }
                 dk += key * key;
-                dq += vfn_load(qr + i) * key;
+                dq += query * key;
             }
             kk[r * c + r] = lanes_sum(dk);
             qk[r * c + r] = lanes_sum(dq);
@@ -185,22 +197,17 @@ static void decayed_products(const float *k, const float *q, const float *lc, in
                 }
             }
         }
-        if (r0 == 0) continue;
-        const float *gb = g + (int64_t)(r0 - 1) * d; /* the row before the block */
-        for (int r = r0; r < r1; r++)
-            for (int i = 0; i < d; i += VN) {
-                const vfn f = vfn_exp(vfn_load(g + (int64_t)r * d + i) - vfn_load(gb + i));
-                vfn_store(rows_k + (int64_t)(r - r0) * d + i, vfn_load(k + r * ld + i) * f);
-                vfn_store(rows_q + (int64_t)(r - r0) * d + i, vfn_load(q + r * ld + i) * f);
-            }
-        for (int s = 0; s < r0; s++) /* keys_t[i][s] = k_si e^(G_bi - G_si) */
-            for (int i = 0; i < d; i += VN) {
-                const vfn e = vfn_load(k + s * ld + i) *
-                              vfn_exp(vfn_load(gb + i) - vfn_load(g + (int64_t)s * d + i));
-                for (int l = 0; l < VN; l++) keys_t[(int64_t)(i + l) * r0 + s] = e[l];
-            }
-        rows_times(r1 - r0, d, r0, rows_k, d, 1, keys_t, r0, kk + r0 * c, c, 0, NULL, 0);
-        rows_times(r1 - r0, d, r0, rows_q, d, 1, keys_t, r0, qk + r0 * c, c, 0, NULL, 0);
+        if (r0) {
+            rows_times(r1 - r0, d, r0, rows_k, d, 1, keys_t, c, kk + r0 * c, c, 0, NULL, 0);
+            rows_times(r1 - r0, d, r0, rows_q, d, 1, keys_t, c, qk + r0 * c, c, 0, NULL, 0);
+        }
+        if (r1 >= c) break;
+        for (int i = 0; i < d; i++) {
+            float *row = keys_t + (int64_t)i * c;
+            const vfn m = vfn_splat(p[i]);
+            for (int s = 0; s < r0; s += VN) vfn_store(row + s, m * vfn_load(row + s));
+            for (int s = r0; s < r1; s++) row[s] = w[(int64_t)(s - r0) * d + i];
+        }
     }
 }
 
@@ -297,9 +304,9 @@ int kda_chunk_heads(const float *q, const float *k, const float *v, const float 
                     vfn_store(g + (int64_t)r * d + i, prev + vfn_load(lc + r * ld + i));
                 }
             }
-            /* x and ws are free until the solve: the block's w [SUB][d], the earlier keys
-             * [d][< c], the block's scaled rows [SUB][d] twice and a [d] */
-            decayed_products(kc, qc, lc, ld, g, c, d, kk, qk, keys, ws, x, x + SUB * d, kr);
+            /* x and ws are free until the solve: w [SUB][d], the keys [d][c] and the
+             * block's scaled rows [SUB][d] twice; a and p [d] */
+            decayed_products(kc, qc, lc, ld, c, d, kk, qk, keys, ws, x, x + SUB * d, kr, qr);
             for (int r = 0; r < c; r++) {
                 const vfn b = vfn_splat(bt[r]);
                 float *xr = x + (int64_t)r * 2 * d;
