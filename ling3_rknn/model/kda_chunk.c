@@ -144,9 +144,11 @@ static inline __attribute__((always_inline)) void chain_step(
 }
 
 /*
- * KK and QK of one chunk, [c][c] each, lower triangle with the diagonal (zero above).
- * lc: the chunk's log decay rows (ld apart). Scratch: w [SUB][d], keys_t [d][c], rows_k and
- * rows_q [SUB][d], a and p [d].
+ * The first pass over a chunk's rows: KK and QK ([c][c] each, lower triangle with the
+ * diagonal, zero above), the right-hand side x = [beta v | -beta k e^G] ([c][2d]; W negated
+ * so that V' = U + W S is one accumulating product), qe = q e^G ([c][d]), keys_t[i][s] =
+ * k_si e^(G_(c-1),i - G_si) ([d][c], the state update's keys) and e = e^(G_(c-1)) ([d]).
+ * Scratch: w [min(c, SUB)][d], gsum, a and p [d].
  *
  * Pairs inside a diagonal block of SUB rows: w_s = k_s e^(G_r - G_s) is carried down the
  * block's rows, one product with a_r = e^(G_r - G_(r-1)) per row (one exp per row and
@@ -155,33 +157,41 @@ static inline __attribute__((always_inline)) void chain_step(
  * before r's block: (k_r e^(G_r - G_b)) . (k_s e^(G_b - G_s)), both factors <= 1, one
  * register-blocked product of the block's rows and the earlier keys, laid out [d][s]
  * (rows_times). Neither side takes an exp of its own: the block's rows are scaled by the
- * running product p_r = e^(G_r - G_b) of its a_r, and the keys for the next block are the
- * earlier ones times the block's whole decay p (a factor per channel, one row of keys_t)
- * and the block's own w_s at its last row, k_s e^(G_(r1 - 1) - G_s), transposed in.
+ * running product p_r = e^(G_r - G_b) of its a_r (then by e^(G_b), one exp per block and
+ * channel, into W and qe), and the keys for the next block are the earlier ones times the
+ * block's whole decay p (a factor per channel, one row of keys_t) and the block's own w_s at
+ * its last row, k_s e^(G_(r1 - 1) - G_s), transposed in; after the last block they are the
+ * state update's. Each factor is a product of at most SUB + c / SUB roundings of terms <= 1,
+ * as accurate as e^(G_r - G_s) taken from the float cumulative sums (kda.py's), which loses
+ * |G| ulps to the subtraction.
  */
-static void decayed_products(const float *k, const float *q, const float *lc, int64_t ld,
-                             int c, int d, float *kk, float *qk, float *w, float *keys_t,
-                             float *rows_k, float *rows_q, float *a, float *p) {
+static void chunk_rows(const float *k, const float *q, const float *v, const float *lc,
+                       int64_t ld, const float *bt, int c, int d, float *kk, float *qk,
+                       float *x, float *qe, float *keys_t, float *e, float *w, float *gsum,
+                       float *a, float *p) {
+    const int64_t xd = 2 * (int64_t)d;
     memset(kk, 0, sizeof(float) * c * c);
     memset(qk, 0, sizeof(float) * c * c);
+    memset(gsum, 0, sizeof(float) * d);
     for (int r0 = 0; r0 < c; r0 += SUB) {
         const int r1 = r0 + SUB < c ? r0 + SUB : c;
+        for (int i = 0; i < d; i += VN) vfn_store(e + i, vfn_exp(vfn_load(gsum + i))); /* e^G_b */
         for (int r = r0; r < r1; r++) {
-            const float *kr = k + r * ld, *qr = q + r * ld;
-            float *wr = w + (int64_t)(r - r0) * d;
-            float *rk = rows_k + (int64_t)(r - r0) * d, *rq = rows_q + (int64_t)(r - r0) * d;
+            const float *kr = k + r * ld, *qr = q + r * ld, *vr = v + r * ld, *lr = lc + r * ld;
+            float *wr = w + (int64_t)(r - r0) * d, *xr = x + r * xd, *qer = qe + (int64_t)r * d;
+            const vfn b = vfn_splat(bt[r]);
             vfn dk = vfn_splat(0.0f), dq = vfn_splat(0.0f);
             for (int i = 0; i < d; i += VN) {
-                const vfn key = vfn_load(kr + i), query = vfn_load(qr + i);
-                const vfn f = vfn_exp(vfn_load(lc + r * ld + i));
+                const vfn key = vfn_load(kr + i), query = vfn_load(qr + i), l = vfn_load(lr + i);
+                const vfn f = vfn_exp(l);
                 const vfn pf = r == r0 ? f : vfn_load(p + i) * f;
+                vfn_store(gsum + i, vfn_load(gsum + i) + l);
                 vfn_store(wr + i, key);
                 vfn_store(a + i, f);
                 vfn_store(p + i, pf);
-                if (r0) { /* rows_k, rows_q only exist past the first block (c > SUB) */
-                    vfn_store(rk + i, key * pf);
-                    vfn_store(rq + i, query * pf);
-                }
+                vfn_store(xr + i, b * vfn_load(vr + i));
+                vfn_store(xr + d + i, key * pf); /* the block's rows, to scale below */
+                vfn_store(qer + i, query * pf);
                 dk += key * key;
                 dq += query * key;
             }
@@ -198,10 +208,20 @@ static void decayed_products(const float *k, const float *q, const float *lc, in
             }
         }
         if (r0) {
-            rows_times(r1 - r0, d, r0, rows_k, d, 1, keys_t, c, kk + r0 * c, c, 0, NULL, 0);
-            rows_times(r1 - r0, d, r0, rows_q, d, 1, keys_t, c, qk + r0 * c, c, 0, NULL, 0);
+            rows_times(r1 - r0, d, r0, x + r0 * xd + d, xd, 1, keys_t, c, kk + r0 * c, c, 0,
+                       NULL, 0);
+            rows_times(r1 - r0, d, r0, qe + (int64_t)r0 * d, d, 1, keys_t, c, qk + r0 * c, c, 0,
+                       NULL, 0);
         }
-        if (r1 >= c) break;
+        for (int r = r0; r < r1; r++) { /* e^(G_r - G_b) e^G_b = e^G_r */
+            float *xr = x + r * xd + d, *qer = qe + (int64_t)r * d;
+            const vfn nb = vfn_splat(-bt[r]);
+            for (int i = 0; i < d; i += VN) {
+                const vfn eb = vfn_load(e + i);
+                vfn_store(xr + i, nb * eb * vfn_load(xr + i));
+                vfn_store(qer + i, eb * vfn_load(qer + i));
+            }
+        }
         for (int i = 0; i < d; i++) {
             float *row = keys_t + (int64_t)i * c;
             const vfn m = vfn_splat(p[i]);
@@ -209,6 +229,7 @@ static void decayed_products(const float *k, const float *q, const float *lc, in
             for (int s = r0; s < r1; s++) row[s] = w[(int64_t)(s - r0) * d + i];
         }
     }
+    for (int i = 0; i < d; i += VN) vfn_store(e + i, vfn_exp(vfn_load(gsum + i)));
 }
 
 /*
@@ -275,14 +296,15 @@ int kda_chunk_heads(const float *q, const float *k, const float *v, const float 
         return -1;
     const int64_t ld = (int64_t)heads * d; /* one token's row of q, k, v, out */
     const int64_t cm = chunk;
-    float *g = scratch;          /* [chunk][d] cumulative log decay */
-    float *x = g + cm * d;       /* [chunk][2d]: U | W, then V' | W */
-    float *qe = x + cm * 2 * d;  /* [chunk][d]: q e^G, then k e^(G_last - G) */
-    float *ws = qe + cm * d;     /* [chunk][d]: W S */
-    float *kk = ws + cm * d;     /* [chunk][chunk] */
+    /* scratch (native_abi.h's size; [chunk][d] of it is w's, at most [SUB][d] used) */
+    float *w = scratch;          /* [min(chunk, SUB)][d]: the in-block keys */
+    float *x = w + cm * d;       /* [chunk][2d]: U | -W, then V' | -W */
+    float *qe = x + cm * 2 * d;  /* [chunk][d]: q e^G */
+    float *keys_t = qe + cm * d; /* [d][chunk]: k e^(G_last - G), transposed */
+    float *kk = keys_t + cm * d; /* [chunk][chunk] */
     float *qk = kk + cm * cm;    /* [chunk][chunk] */
-    float *keys = qk + cm * cm;  /* [SUB][d] */
-    float *kr = keys + (int64_t)SUB * d, *qr = kr + d, *bt = qr + d; /* [d], [d], [chunk] */
+    float *gsum = qk + cm * cm, *e = gsum + d; /* [d] each, of [SUB][d] */
+    float *a = gsum + (int64_t)SUB * d, *p = a + d, *bt = p + d; /* [d], [d], [chunk] */
     for (int h = h0; h < h1; h++) {
         float *S = state + (int64_t)h * d * d;
         for (int t0 = 0; t0 < t_len; t0 += chunk) {
@@ -297,45 +319,16 @@ int kda_chunk_heads(const float *q, const float *k, const float *v, const float 
                     prefetch_chunk(arrays, ld, (int64_t)nt * ld + (int64_t)nh * d, nc, d);
                 }
             }
-            for (int r = 0; r < c; r++) {
-                bt[r] = beta[(int64_t)(t0 + r) * heads + h];
-                for (int i = 0; i < d; i += VN) {
-                    const vfn prev = r ? vfn_load(g + (int64_t)(r - 1) * d + i) : vfn_splat(0.0f);
-                    vfn_store(g + (int64_t)r * d + i, prev + vfn_load(lc + r * ld + i));
-                }
-            }
-            /* x and ws are free until the solve: w [SUB][d], the keys [d][c] and the
-             * block's scaled rows [SUB][d] twice; a and p [d] */
-            decayed_products(kc, qc, lc, ld, c, d, kk, qk, keys, ws, x, x + SUB * d, kr, qr);
-            for (int r = 0; r < c; r++) {
-                const vfn b = vfn_splat(bt[r]);
-                float *xr = x + (int64_t)r * 2 * d;
-                for (int i = 0; i < d; i += VN) {
-                    const vfn e = vfn_exp(vfn_load(g + (int64_t)r * d + i));
-                    vfn_store(xr + i, b * vfn_load(vc + r * ld + i));
-                    vfn_store(xr + d + i, b * vfn_load(kc + r * ld + i) * e);
-                    vfn_store(qe + (int64_t)r * d + i, vfn_load(qc + r * ld + i) * e);
-                }
-            }
+            for (int r = 0; r < c; r++) bt[r] = beta[(int64_t)(t0 + r) * heads + h];
+            chunk_rows(kc, qc, vc, lc, ld, bt, c, d, kk, qk, x, qe, keys_t, e, w, gsum, a, p);
             forward_substitute(x, c, 2 * d, kk, bt);
-            rows_times(c, d, d, x + d, 2 * d, 1, S, d, ws, d, 0, NULL, 0); /* W S */
-            for (int r = 0; r < c; r++) /* V' = U - W S, in place of U */
-                for (int i = 0; i < d; i += VN) {
-                    float *u = x + (int64_t)r * 2 * d + i;
-                    vfn_store(u, vfn_load(u) - vfn_load(ws + (int64_t)r * d + i));
-                }
+            /* V' = U + (-W) S, in place of U */
+            rows_times(c, d, d, x + d, 2 * d, 1, S, d, x, 2 * d, 1, NULL, 0);
             float *oc = out + base; /* out = (q e^G) S + QK V' */
             rows_times(c, d, d, qe, d, 1, S, d, oc, ld, 0, NULL, 0);
             rows_times(c, c, d, qk, c, 1, x, 2 * d, oc, ld, 1, NULL, 1);
             /* S <- e^(G_last) S + (k e^(G_last - G))^T V' */
-            const float *gl = g + (int64_t)(c - 1) * d;
-            for (int r = 0; r < c; r++)
-                for (int i = 0; i < d; i += VN)
-                    vfn_store(qe + (int64_t)r * d + i,
-                              vfn_load(kc + r * ld + i) *
-                                  vfn_exp(vfn_load(gl + i) - vfn_load(g + (int64_t)r * d + i)));
-            for (int i = 0; i < d; i += VN) vfn_store(kr + i, vfn_exp(vfn_load(gl + i)));
-            rows_times(d, c, d, qe, 1, d, x, 2 * d, S, d, 1, kr, 0);
+            rows_times(d, c, d, keys_t, c, 1, x, 2 * d, S, d, 1, e, 0);
         }
     }
     return 0;
