@@ -161,9 +161,10 @@ static inline __attribute__((always_inline)) void chain_step(
  * channel, into W and qe), and the keys for the next block are the earlier ones times the
  * block's whole decay p (a factor per channel, one row of keys_t) and the block's own w_s at
  * its last row, k_s e^(G_(r1 - 1) - G_s), transposed in; after the last block they are the
- * state update's. Each factor is a product of at most SUB + c / SUB roundings of terms <= 1,
- * as accurate as e^(G_r - G_s) taken from the float cumulative sums (kda.py's), which loses
- * |G| ulps to the subtraction.
+ * state update's. Each factor is a product of at most 2 SUB + c / SUB factors <= 1, each
+ * rounded (a_r also within e^x's 1e-7): ~50 ulps at most, inside the per-token share d + c
+ * of tests/fp_bounds.py's delta_rule_error; e^(G_r - G_s) from the float cumulative sums
+ * (kda.py's) loses |G| ulps to the subtraction, hundreds at fast decay.
  */
 static void chunk_rows(const float *k, const float *q, const float *v, const float *lc,
                        int64_t ld, const float *bt, int c, int d, float *kk, float *qk,
