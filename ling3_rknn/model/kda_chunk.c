@@ -13,11 +13,10 @@
  *
  * Per chunk of c rows with in-chunk cumulative log decay G (rows r, s; channel i):
  *   KK[r][s] = sum_i k_ri k_si e^(G_ri - G_si), QK the same with q_r, for s <= r;
- *   solve (I + diag(beta) strict(KK)) [U | W] = [beta v | beta k e^G];
- *   V' = U - W S;  out = (q e^G) S + QK V';  S <- e^(G_last) S + (k e^(G_last - G))^T V'.
- * Pairs within one LING3_KDA_SUB-row block get their factor e^(G_r - G_s) formed exactly;
- * a pair across blocks factors through the block's last row b, e^(G_r - G_b) e^(G_b - G_s),
- * two factors <= 1 (G falls along the chunk), as kda.py's `_decayed_products` does.
+ *   V' = U - W S with (I + diag(beta) strict(KK)) [U | W] = [beta v | beta k e^G], solved
+ *   here as one system of width d: (I + diag(beta) strict(KK)) V' = beta v - (beta k e^G) S;
+ *   out = (q e^G) S + QK V';  S <- e^(G_last) S + (k e^(G_last - G))^T V'.
+ * How the decay factors are formed without an exp per pair: chunk_rows.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -145,9 +144,10 @@ static inline __attribute__((always_inline)) void chain_step(
 
 /*
  * The first pass over a chunk's rows: KK and QK ([c][c] each, lower triangle with the
- * diagonal, zero above), the right-hand side x = [beta v | -beta k e^G] ([c][2d]; W negated
- * so that V' = U + W S is one accumulating product), qe = q e^G ([c][d]), keys_t[i][s] =
- * k_si e^(G_(c-1),i - G_si) ([d][c], the state update's keys) and e = e^(G_(c-1)) ([d]).
+ * diagonal, zero above), x = [beta v | -beta k e^G] ([c][2d]; negated so that the solve's
+ * right-hand side beta v - (beta k e^G) S is one accumulating product), qe = q e^G ([c][d]),
+ * keys_t[i][s] = k_si e^(G_(c-1),i - G_si) ([d][c], the state update's keys) and
+ * e = e^(G_(c-1)) ([d]).
  * Scratch: w [min(c, SUB)][d], gsum, a and p [d].
  *
  * Pairs inside a diagonal block of SUB rows: w_s = k_s e^(G_r - G_s) is carried down the
@@ -234,39 +234,40 @@ static void chunk_rows(const float *k, const float *q, const float *v, const flo
 }
 
 /*
- * Rows of x [c][w] (w a multiple of VN) made x[r] -= beta[r] * sum_{s < r} kk[r][s] x[s]: the
- * forward substitution of the unit lower triangular system. kk's strict lower triangle is
- * made -beta[r] kk[r][s] on the way. By blocks of SUB rows: a block's rows take the earlier
- * blocks' (solved) rows in one register-blocked product, then its own triangle by
- * substitution, 4 vectors of columns at a time so a row's running value stays in registers.
+ * Rows of x [c][w] (rows ldx apart, w a multiple of VN) made x[r] -= beta[r] * sum_{s < r}
+ * kk[r][s] x[s]: the forward substitution of the unit lower triangular system. kk's strict
+ * lower triangle is made -beta[r] kk[r][s] on the way. By blocks of SUB rows: a block's rows
+ * take the earlier blocks' (solved) rows in one register-blocked product, then its own
+ * triangle by substitution, 4 vectors of columns at a time so a row's running value stays
+ * in registers.
  */
-static void forward_substitute(float *x, int c, int w, float *kk, const float *beta) {
+static void forward_substitute(float *x, int64_t ldx, int c, int w, float *kk,
+                               const float *beta) {
     for (int r = 1; r < c; r++)
         for (int s = 0; s < r; s++) kk[r * c + s] *= -beta[r];
     for (int r0 = 0; r0 < c; r0 += SUB) {
         const int r1 = r0 + SUB < c ? r0 + SUB : c;
         if (r0)
-            rows_times(r1 - r0, r0, w, kk + r0 * c, c, 1, x, w, x + (int64_t)r0 * w, w, 1, NULL,
-                       0);
+            rows_times(r1 - r0, r0, w, kk + r0 * c, c, 1, x, ldx, x + r0 * ldx, ldx, 1, NULL, 0);
         int col = 0;
         for (; col + 4 * VN <= w; col += 4 * VN)
             for (int r = r0 + 1; r < r1; r++) {
-                float *p = x + (int64_t)r * w + col;
+                float *p = x + r * ldx + col;
                 vfn s[4];
                 for (int v = 0; v < 4; v++) s[v] = vfn_load(p + v * VN);
                 for (int j = r0; j < r; j++) {
                     const vfn m = vfn_splat(kk[r * c + j]);
                     for (int v = 0; v < 4; v++)
-                        s[v] += m * vfn_load(x + (int64_t)j * w + col + v * VN);
+                        s[v] += m * vfn_load(x + j * ldx + col + v * VN);
                 }
                 for (int v = 0; v < 4; v++) vfn_store(p + v * VN, s[v]);
             }
         for (; col < w; col += VN)
             for (int r = r0 + 1; r < r1; r++) {
-                float *p = x + (int64_t)r * w + col;
+                float *p = x + r * ldx + col;
                 vfn s = vfn_load(p);
                 for (int j = r0; j < r; j++)
-                    s += vfn_splat(kk[r * c + j]) * vfn_load(x + (int64_t)j * w + col);
+                    s += vfn_splat(kk[r * c + j]) * vfn_load(x + j * ldx + col);
                 vfn_store(p, s);
             }
     }
@@ -299,7 +300,7 @@ int kda_chunk_heads(const float *q, const float *k, const float *v, const float 
     const int64_t cm = chunk;
     /* scratch (native_abi.h's size; [chunk][d] of it is w's, at most [SUB][d] used) */
     float *w = scratch;          /* [min(chunk, SUB)][d]: the in-block keys */
-    float *x = w + cm * d;       /* [chunk][2d]: U | -W, then V' | -W */
+    float *x = w + cm * d;       /* [chunk][2d]: beta v | -beta k e^G, then V' | (spent) */
     float *qe = x + cm * 2 * d;  /* [chunk][d]: q e^G */
     float *keys_t = qe + cm * d; /* [d][chunk]: k e^(G_last - G), transposed */
     float *kk = keys_t + cm * d; /* [chunk][chunk] */
@@ -322,9 +323,10 @@ int kda_chunk_heads(const float *q, const float *k, const float *v, const float 
             }
             for (int r = 0; r < c; r++) bt[r] = beta[(int64_t)(t0 + r) * heads + h];
             chunk_rows(kc, qc, vc, lc, ld, bt, c, d, kk, qk, x, qe, keys_t, e, w, gsum, a, p);
-            forward_substitute(x, c, 2 * d, kk, bt);
-            /* V' = U + (-W) S, in place of U */
+            /* V' = U - W S = solve(beta v - beta k e^G S): the product before the solve, so
+             * the solve is d wide, not 2d ([U | W] at once) */
             rows_times(c, d, d, x + d, 2 * d, 1, S, d, x, 2 * d, 1, NULL, 0);
+            forward_substitute(x, 2 * d, c, d, kk, bt);
             float *oc = out + base; /* out = (q e^G) S + QK V' */
             rows_times(c, d, d, qe, d, 1, S, d, oc, ld, 0, NULL, 0);
             rows_times(c, c, d, qk, c, 1, x, 2 * d, oc, ld, 1, NULL, 1);
