@@ -27,9 +27,11 @@
 #define SUB LING3_KDA_SUB
 
 /* The register tile of rows_times: TILE_ROWS rows x TILE_VECS vectors of accumulators, sized
- * to the register file (16 vector registers on SSE/AVX2: 4 x 2; 32 on AVX-512 and NEON),
- * with the tile's column strip of B (kdim x TILE_VECS vectors, <= 16 KB at kdim = 128) kept
- * in L1 while the rows go by. */
+ * to the register file (16 vector registers on SSE/AVX2: 4 x 3, all 16 in use; 32 on AVX-512
+ * and NEON), with the tile's column strip of B (kdim x TILE_VECS vectors, <= 16 KB at kdim =
+ * 128) kept in L1 while the rows go by. On this AVX-512 host 8 x 2 beat 4 x 4 and 6 x 4, and
+ * 4 x 3 beat 4 x 2 and 6 x 2 by ~5-10 % with AVX2 and SSE2 (tests/bench/bench_kda_chunk.py);
+ * NEON's 4 x 4 loads 4 vectors of B and 4 floats of A per 16 fmla (by element), unmeasured. */
 #ifndef TILE_ROWS
 #if VN == 16
 #define TILE_ROWS 8
@@ -39,7 +41,7 @@
 #define TILE_VECS 4
 #else
 #define TILE_ROWS 4
-#define TILE_VECS 2
+#define TILE_VECS 3
 #endif
 #endif
 
