@@ -30,7 +30,8 @@
  * to the register file (16 vector registers on SSE/AVX2: 4 x 3, all 16 in use; 32 on AVX-512
  * and NEON), with the tile's column strip of B (kdim x TILE_VECS vectors, <= 16 KB at kdim =
  * 128) kept in L1 while the rows go by. On this AVX-512 host 8 x 2 beat 4 x 4 and 6 x 4, and
- * 4 x 3 beat 4 x 2 and 6 x 2 by ~5-10 % with AVX2 and SSE2 (tests/bench/bench_kda_chunk.py);
+ * 4 x 3 beat 4 x 2 and 6 x 2 by ~3-15 % with AVX2 and SSE2 (builds with -DTILE_ROWS= and
+ * -DTILE_VECS=, timed as tests/bench/bench_kda_chunk.py does);
  * NEON's 4 x 4 loads 4 vectors of B and 4 floats of A per 16 fmla (by element), unmeasured. */
 #ifndef TILE_ROWS
 #if VN == 16
